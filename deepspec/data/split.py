@@ -1,0 +1,92 @@
+"""The `split` stage: normalise a source, reject bad rows with reasons, split train/eval by id hash.
+
+A row's side (train or eval) depends only on its content id and `split.seed`, so growing the
+source never moves an existing row; outputs keep source order, so new rows land at the end.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from deepspec.config import SplitConfig
+from deepspec.data.conversation import (RowRejected, conversation_id, normalize_conversation,
+                                        system_prompt, user_turns)
+from deepspec.data.sources import iter_source
+from deepspec.io import atomic_open, hash_unit, write_json
+
+log = logging.getLogger(__name__)
+
+
+def is_eval(row_id: str, cfg: SplitConfig) -> bool:
+    return hash_unit("split", cfg.seed, row_id) < cfg.test_fraction
+
+
+@dataclass
+class SplitResult:
+    train: list[dict]
+    eval: list[dict]
+    rejected: list[dict]
+    read: int
+
+    def report(self, source: str) -> dict:
+        by_reason = collections.Counter(r["reason"] for r in self.rejected)
+        tasks = collections.Counter(r["task"] for r in self.train + self.eval)
+        return {
+            "source": source,
+            "read": self.read,
+            "kept": len(self.train) + len(self.eval),
+            "train": len(self.train),
+            "eval": len(self.eval),
+            "rejected": dict(sorted(by_reason.items())),
+            "rejected_total": len(self.rejected),
+            "tasks": dict(sorted(tasks.items())),
+        }
+
+
+def split_rows(cfg: SplitConfig) -> SplitResult:
+    train, evals, rejected = [], [], []
+    seen: set[str] = set()
+    read = 0
+    default_source = cfg.source if ":" in cfg.source else Path(cfg.source).name
+    for raw in iter_source(cfg.source, cfg.hf_split):
+        read += 1
+        try:
+            if raw.reason:
+                raise RowRejected(raw.reason, raw.detail)
+            turns = normalize_conversation(raw.row)
+            row_id = conversation_id(turns)
+            if row_id in seen:
+                raise RowRejected("duplicate", f"same content as an earlier row (id {row_id})")
+        except RowRejected as e:
+            log.info("rejected %s: %s %s", raw.where, e.reason, e.detail)
+            rejected.append({"where": raw.where, "reason": e.reason, "detail": e.detail})
+            continue
+        seen.add(row_id)
+        task = str(raw.row.get("task") or raw.row.get("category") or "unknown")
+        source = str(raw.row.get("source") or default_source)
+        if is_eval(row_id, cfg):
+            row = {"id": row_id, "task": task, "source": source, "turns": user_turns(turns)}
+            if (sp := system_prompt(turns)) is not None:
+                row["system"] = sp
+            evals.append(row)
+        else:
+            train.append({"id": row_id, "task": task, "source": source, "conversations": turns})
+    return SplitResult(train, evals, rejected, read)
+
+
+def run_split(cfg: SplitConfig, out_dir: str | Path = "data/split") -> dict:
+    """Read the whole source first, then write every output atomically: a bad source leaves none."""
+    result = split_rows(cfg)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("train.jsonl", result.train), ("eval.jsonl", result.eval),
+                       ("rejected.jsonl", result.rejected)):
+        with atomic_open(out / name) as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    report = result.report(cfg.source)
+    write_json(out / "report.json", report)
+    return report

@@ -1,0 +1,91 @@
+"""Small file helpers shared by every stage: atomic writes, JSONL, stable hashes."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def fingerprint(obj: Any) -> str:
+    """sha256 of the canonical JSON of `obj`: equal settings give an equal fingerprint."""
+    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
+
+
+def sha256_file(path: str | Path, bufsize: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | Path, mode: str = "w", encoding: str | None = "utf-8"):
+    """Write to a temp file beside `path`, fsync, then rename: readers see old or new, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    with atomic_open(path) as f:
+        json.dump(obj, f, indent=2, sort_keys=True, ensure_ascii=False)
+        f.write("\n")
+
+
+def write_jsonl(path: str | Path, rows) -> int:
+    n = 0
+    with atomic_open(path) as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            n += 1
+    return n
+
+
+class JsonlError(ValueError):
+    pass
+
+
+def read_jsonl(path: str | Path) -> Iterator[dict]:
+    """Rows of a JSONL file we wrote ourselves; a bad line is an error naming file and line."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                raise JsonlError(f"{path}:{lineno}: not valid JSON: {e}") from None
+
+
+def hash_unit(*parts: Any) -> float:
+    """A deterministic number in [0, 1) from `parts`: stable row selection that survives growth."""
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64

@@ -1,0 +1,161 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from deepspec.config import ConfigError, SplitConfig
+from deepspec.data.builtin import builtin_chat_rows, number_words
+from deepspec.data.conversation import RowRejected, normalize_conversation
+from deepspec.data.sources import SourceError
+from deepspec.data.split import run_split, split_rows
+
+
+def conv(*pairs, system=None):
+    turns = [{"from": "system", "value": system}] if system else []
+    for role, text in pairs:
+        turns.append({"from": role, "value": text})
+    return {"conversations": turns}
+
+
+GOOD = [conv(("human", f"question {i}"), ("gpt", f"answer {i}")) for i in range(40)]
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    with open(path, "wb") as f:
+        for r in rows:
+            f.write(r if isinstance(r, bytes) else (json.dumps(r) + "\n").encode())
+    return path
+
+
+def read(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_roles_are_normalised_and_system_kept():
+    turns = normalize_conversation({"conversations": [
+        {"from": "system", "value": "be brief"}, {"role": "user", "content": "hi"},
+        {"from": "chatgpt", "value": "hello"}, {"from": "human", "value": "bye"},
+        {"from": "bard", "value": "ciao"}]})
+    assert [t["role"] for t in turns] == ["system", "user", "assistant", "user", "assistant"]
+
+
+@pytest.mark.parametrize("row, reason", [
+    ({"text": "no conversations"}, "missing_conversations"),
+    (conv(("human", "hi"), ("robot", "beep")), "unknown_role"),
+    (conv(("human", "hi"), ("gpt", "   ")), "empty_content"),
+    (conv(("gpt", "I speak first"), ("human", "ok")), "starts_with_assistant"),
+    (conv(("human", "a"), ("human", "b")), "not_alternating"),
+    ({"conversations": [{"from": "human", "value": 3}]}, "non_string_content"),
+    ({"conversations": []}, "empty_conversations"),
+])
+def test_bad_rows_have_reasons(row, reason):
+    with pytest.raises(RowRejected) as e:
+        normalize_conversation(row)
+    assert e.value.reason == reason
+
+
+def test_bad_lines_are_counted_with_line_numbers(tmp_path):
+    src = write_jsonl(tmp_path / "src.jsonl", [
+        GOOD[0],
+        b"{not json\n",
+        {"text": "x"},
+        conv(("human", "hi"), ("robot", "beep")),
+        conv(("human", "hi"), ("gpt", "")),
+        conv(("gpt", "first"), ("human", "second")),
+        b'{"conversations": [{"from": "human", "value": "caf\xe9"}]}\n',
+        GOOD[0],
+        GOOD[1],
+    ])
+    out = tmp_path / "out"
+    report = run_split(SplitConfig(source=str(src), test_fraction=0.0), out)
+    assert report["read"] == 9 and report["kept"] == 2
+    assert report["rejected"] == {"duplicate": 1, "empty_content": 1, "malformed_json": 1,
+                                  "missing_conversations": 1, "non_utf8": 1,
+                                  "starts_with_assistant": 1, "unknown_role": 1}
+    rejected = {r["reason"]: r["where"] for r in read(out / "rejected.jsonl")}
+    assert rejected["malformed_json"] == f"{src}:2"
+    assert rejected["non_utf8"] == f"{src}:7"
+    assert rejected["duplicate"] == f"{src}:8"
+    assert json.loads((out / "report.json").read_text()) == report
+
+
+def test_missing_source_is_a_clear_error_and_writes_nothing(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(SourceError, match="nope.jsonl: source file does not exist"):
+        run_split(SplitConfig(source=str(tmp_path / "nope.jsonl")), out)
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="unknown source 'builtin:nope'"):
+        run_split(SplitConfig(source="builtin:nope"), out)
+    with pytest.raises(ConfigError, match="unknown source 's4://bucket/x'"):
+        run_split(SplitConfig(source="s4://bucket/x"), out)
+
+
+def test_unreadable_source_leaves_previous_outputs_intact(tmp_path):
+    src = write_jsonl(tmp_path / "src.jsonl", GOOD)
+    out = tmp_path / "out"
+    run_split(SplitConfig(source=str(src)), out)
+    before = (out / "train.jsonl").read_bytes()
+    src.chmod(0o000)
+    try:
+        import os
+        if os.access(src, os.R_OK):  # running as root: permissions do not stop reads
+            src.chmod(0o644)
+            src.unlink()
+            src.mkdir()
+        with pytest.raises(SourceError):
+            run_split(SplitConfig(source=str(src)), out)
+    finally:
+        if src.is_file():
+            src.chmod(0o644)
+    assert (out / "train.jsonl").read_bytes() == before
+
+
+def test_split_is_deterministic_and_seeded(tmp_path):
+    src = write_jsonl(tmp_path / "src.jsonl", GOOD * 1)
+    a = split_rows(SplitConfig(source=str(src), seed=1, test_fraction=0.3))
+    b = split_rows(SplitConfig(source=str(src), seed=1, test_fraction=0.3))
+    c = split_rows(SplitConfig(source=str(src), seed=2, test_fraction=0.3))
+    assert a.train == b.train and a.eval == b.eval
+    assert {r["id"] for r in a.eval} != {r["id"] for r in c.eval}
+    assert 0 < len(a.eval) < 40
+    assert all("turns" in r and "conversations" not in r for r in a.eval)
+
+
+def test_growth_never_moves_existing_rows(tmp_path):
+    src = write_jsonl(tmp_path / "src.jsonl", GOOD[:20])
+    cfg = SplitConfig(source=str(src), seed=0, test_fraction=0.3)
+    a = split_rows(cfg)
+    write_jsonl(src, GOOD)
+    b = split_rows(cfg)
+    assert len(b.train) > len(a.train)
+    assert b.train[:len(a.train)] == a.train
+    assert b.eval[:len(a.eval)] == a.eval
+
+
+def test_parquet_and_local_hf_dataset(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"conversations": r["conversations"], "source": "unit"} for r in GOOD[:10]]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "src.parquet")
+    from_parquet = split_rows(SplitConfig(source=str(tmp_path / "src.parquet"), test_fraction=0.0))
+    ds_dir = tmp_path / "hfdata"
+    datasets.Dataset.from_list(rows).save_to_disk(str(ds_dir))
+    from_hf = split_rows(SplitConfig(source=f"hf:{ds_dir}", test_fraction=0.0))
+    files_dir = tmp_path / "hffiles" / "data"
+    files_dir.mkdir(parents=True)
+    write_jsonl(files_dir / "train.jsonl", rows)
+    from_hf_files = split_rows(SplitConfig(source=f"hf:{files_dir.parent}", test_fraction=0.0))
+    assert from_parquet.train == from_hf.train == from_hf_files.train
+    assert len(from_parquet.train) == 10
+    with pytest.raises(SourceError, match="cannot load dataset"):
+        split_rows(SplitConfig(source=f"hf:{tmp_path / 'missing'}"))
+
+
+def test_builtin_corpus_covers_four_tasks():
+    rows = list(builtin_chat_rows())
+    tasks = {r["task"] for r in rows}
+    assert tasks == {"chat", "code", "math", "instruction"}
+    assert sum(r["source"].startswith("chatterbot/") for r in rows) == 2026
+    assert number_words(342) == "three hundred and forty-two"

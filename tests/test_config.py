@@ -1,0 +1,51 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deepspec.config import ConfigError, load_params, params_from_dict
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_repo_params_load_with_reference_layers():
+    p = load_params(REPO / "params.yaml")
+    assert p.layers == [1, 9, 17, 25, 33]
+    assert p.train_layers == p.layers
+    assert p.sampling.max_tokens > 0
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"split": {"sed": 1}}, "split.sed: unknown key"),
+    ({"bogus": 1}, "bogus: unknown key"),
+    ({"sampling": {"temperature": "hot"}}, "sampling.temperature: expected a number, got 'hot'"),
+    ({"sampling": {"top_p": 1.5}}, "sampling.top_p: must be <= 1.0, got 1.5"),
+    ({"sampling": {"max_tokens": 0}}, "sampling.max_tokens: must be >= 1, got 0"),
+    ({"split": {"seed": True}}, "split.seed: expected an integer, got True"),
+    ({"layers": [1, "x"]}, "layers[1]: expected an integer, got 'x'"),
+    ({"layers": [1, 1]}, "layers: ids must be unique"),
+    ({"layers": [-2]}, "layers: ids must be >= -1"),
+    ({"cache": {"dtype": "float16"}}, "cache.dtype: 'float16' is not one of"),
+    ({"target": {"tiny": {"num_layers": 1}}}, "target.tiny.num_layers: must be >= 2, got 1"),
+    ({"train": {"layers": [9, 40]}}, "train.layers: [40] are not cached"),
+    ({"split": 3}, "split: expected a mapping, got 3"),
+])
+def test_bad_params_name_key_and_value(raw, message):
+    with pytest.raises(ConfigError) as e:
+        params_from_dict(raw)
+    assert message in str(e.value)
+
+
+def test_error_names_the_file(tmp_path):
+    f = tmp_path / "params.yaml"
+    f.write_text(yaml.safe_dump({"sampling": {"top_k": -1}}))
+    with pytest.raises(ConfigError, match=r"params.yaml: sampling.top_k: must be >= 0, got -1"):
+        load_params(f)
+    with pytest.raises(ConfigError, match="file not found"):
+        load_params(tmp_path / "missing.yaml")
+
+
+def test_train_layer_subset_and_int_to_float():
+    p = params_from_dict({"layers": [9, 25], "train": {"layers": [25], "lr": 1}})
+    assert p.train_layers == [25]
+    assert isinstance(p.train.lr, float)
