@@ -53,3 +53,70 @@ def clone_project(dest: Path) -> Path:
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
     return clone_project(tmp_path / "repo")
+
+
+SAMPLE_CONVERSATIONS = [
+    [{"role": "user", "content": f"What is {a} plus {b}?"},
+     {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]
+    for a in range(2, 12) for b in range(3, 9)
+] + [
+    [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi! How can I help?"},
+     {"role": "user", "content": "Tell me a joke"},
+     {"role": "assistant", "content": "Why did the chicken cross the road? To get to the other side."}],
+]
+
+
+def make_model_dir(path: Path, num_layers: int = 4, hidden: int = 32, vocab: int = 400, seed: int = 0) -> Path:
+    """A small random-weight Qwen3 target with the builtin tokenizer: a real model, seconds to build."""
+    import torch
+    from transformers import GenerationConfig, Qwen3ForCausalLM
+
+    from deepspec.config import TinyTargetConfig
+    from deepspec.models.tiny import build_config, build_tokenizer, conversation_text
+
+    tok = build_tokenizer([conversation_text(c) for c in SAMPLE_CONVERSATIONS], vocab)
+    cfg = TinyTargetConfig(hidden_size=hidden, num_layers=num_layers, num_heads=2, num_kv_heads=1,
+                           head_dim=16, intermediate_size=2 * hidden)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(build_config(cfg, tok))
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9, top_k=20,
+                                               eos_token_id=eos, pad_token_id=tok.pad_token_id)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("small_target") / "model")
+
+
+SMALL_TINY = dict(vocab_size=600, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=16,
+                  intermediate_size=64, seq_len=64, batch_size=4, steps=80, warmup_steps=5, lr=1e-2,
+                  heldout_fraction=0.1)
+
+
+def write_split(path: Path, conversations=None) -> Path:
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for i, conv in enumerate(conversations or SAMPLE_CONVERSATIONS):
+            f.write(json.dumps({"id": f"{i:016x}", "task": "math", "source": "unit",
+                                "conversations": conv}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def trained_target(tmp_path_factory) -> Path:
+    """A 4-layer builtin-tiny target trained for a few seconds: answers are words, not noise."""
+    from deepspec.config import TargetConfig, TinyTargetConfig
+    from deepspec.models.target import prepare_target
+
+    root = tmp_path_factory.mktemp("trained_target")
+    out = root / "target"
+    prepare_target(TargetConfig(tiny=TinyTargetConfig(**SMALL_TINY)), [0, 1, 2],
+                   write_split(root / "train.jsonl"), out)
+    return out

@@ -1,0 +1,101 @@
+"""The cache store's on-disk vocabulary (normative spec: docs/cache-format.md).
+
+A store is a Zarr v3 group. Its attributes are the manifest; data lives in immutable *parts*
+(`parts/<name>/`), each a group holding one token-major CSR slice of the samples:
+
+    offsets      int64  [n+1]    token offsets of the part's samples (offsets[0] == 0)
+    sample_id    uint64 [n]      the split/regen row id (16 hex digits) as an integer
+    input_ids    int32  [t]
+    loss_mask    uint8  [t]
+    hidden/<i>   uint16 [t, H]   bfloat16 bits        | uint8 [t, H] float8_e4m3fn bits
+    last_hidden  uint16 [t, H]   (post-norm)          | uint8 [t, H]
+    scale/<name> float32 [t]     per-token scale, 8-bit mode only (<name> = layer id or "last")
+
+Every array is one shard (one file) of small inner chunks, each chunk followed by its crc32c.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+FORMAT = "deepspec-cache"
+FORMAT_VERSION = 1
+DTYPES = ("bfloat16", "fp8")
+CODECS = ("none", "blosc-zstd", "blosc-lz4")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+class CacheFormatError(ValueError):
+    pass
+
+
+def hidden_name(layer: int | str) -> str:
+    return "last_hidden" if layer == "last" else f"hidden/{layer}"
+
+
+def scale_name(layer: int | str) -> str:
+    return f"scale/{layer}"
+
+
+def storage_dtype(dtype: str) -> np.dtype:
+    return np.dtype(np.uint16 if dtype == "bfloat16" else np.uint8)
+
+
+def bytes_per_token(hidden_size: int, num_layers: int, dtype: str) -> int:
+    """input_ids + loss_mask + (layers + last) hidden rows (+ their fp32 scales in 8-bit mode)."""
+    per_row = hidden_size * (2 if dtype == "bfloat16" else 1) + (0 if dtype == "bfloat16" else 4)
+    return 4 + 1 + (num_layers + 1) * per_row
+
+
+def inner_codecs(codec: str, typesize: int):
+    """Codec chain of every inner chunk: bytes [-> blosc] -> crc32c."""
+    from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
+
+    chain = [BytesCodec(endian="little")]
+    if codec == "blosc-zstd":
+        # blocksize 1 MiB: with Blosc's default block the shuffle gains nothing on activations
+        chain.append(BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=typesize,
+                                blocksize=1 << 20))
+    elif codec == "blosc-lz4":
+        chain.append(BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle", typesize=typesize,
+                                blocksize=1 << 20))
+    elif codec != "none":
+        raise CacheFormatError(f"unknown codec {codec!r} (known: {list(CODECS)})")
+    chain.append(Crc32cCodec())
+    return chain
+
+
+# ---- value encodings -------------------------------------------------------------------------
+
+def encode_hidden(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """[T, H] float tensor -> (stored bits, per-token float32 scale or None)."""
+    if dtype == "bfloat16":
+        return x.to(torch.bfloat16).contiguous().view(torch.uint16).numpy(), None
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8).numpy(), scale.squeeze(-1).numpy().astype(np.float32)
+
+
+def decode_hidden(bits: np.ndarray, scale: np.ndarray | None, dtype: str) -> torch.Tensor:
+    """Stored bits -> bfloat16 tensor [T, H] (8-bit values are dequantised with their scale)."""
+    t = torch.from_numpy(np.ascontiguousarray(bits))
+    if dtype == "bfloat16":
+        return t.view(torch.bfloat16)
+    x = t.view(torch.float8_e4m3fn).float() * torch.from_numpy(np.ascontiguousarray(scale)).unsqueeze(-1)
+    return x.to(torch.bfloat16)
+
+
+def sample_id_to_int(sample_id: str) -> int:
+    try:
+        value = int(sample_id, 16)
+    except ValueError:
+        raise CacheFormatError(f"sample id {sample_id!r} is not a 16-hex-digit id") from None
+    if not 0 <= value < 2**64:
+        raise CacheFormatError(f"sample id {sample_id!r} does not fit 64 bits")
+    return value
+
+
+def sample_id_to_str(value: int) -> str:
+    return f"{int(value):016x}"

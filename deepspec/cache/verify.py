@@ -1,0 +1,79 @@
+"""`deepspec cache verify` and `deepspec cache info`: whole-store checks and a summary."""
+from __future__ import annotations
+
+import numpy as np
+
+from deepspec.cache.format import CacheFormatError, bytes_per_token, hidden_name, scale_name
+from deepspec.cache.reader import CacheReader
+
+
+def array_names(reader: CacheReader) -> list[str]:
+    names = ["input_ids", "loss_mask"]
+    for layer in [*reader.layers, "last"]:
+        names.append(hidden_name(layer))
+        if reader.dtype != "bfloat16":
+            names.append(scale_name(layer))
+    return names
+
+
+def verify(url: str, storage_options: dict | None = None) -> dict:
+    """Read every chunk of every array (checksums), and check offsets and counts against the manifest.
+    Raises CacheFormatError naming the first bad part/array/chunk."""
+    reader = CacheReader(url, storage_options, verify=True)
+    _, root, *_ = reader._process_state()
+    seen: set[int] = set()
+    chunks = 0
+    for p, entry in enumerate(reader.manifest["parts"]):
+        name = entry["name"]
+        offsets = reader._offsets[p]
+        tokens = int(offsets[-1])
+        where = f"{url}: parts/{name}"
+        if offsets[0] != 0 or np.any(np.diff(offsets) <= 0):
+            raise CacheFormatError(f"{where}/offsets: not strictly increasing from 0")
+        if len(offsets) - 1 != entry["samples"] or tokens != entry["tokens"]:
+            raise CacheFormatError(f"{where}: manifest says {entry['samples']} samples/{entry['tokens']} "
+                                   f"tokens, offsets say {len(offsets) - 1}/{tokens}")
+        ids = np.asarray(root[f"parts/{name}/sample_id"][...])
+        if len(ids) != entry["samples"]:
+            raise CacheFormatError(f"{where}/sample_id: {len(ids)} ids for {entry['samples']} samples")
+        dup = seen.intersection(int(i) for i in ids)
+        if dup:
+            raise CacheFormatError(f"{where}/sample_id: sample {min(dup):016x} appears in two parts")
+        seen.update(int(i) for i in ids)
+        for array in array_names(reader):
+            shape = root[f"parts/{name}/{array}"].shape
+            if shape[0] != tokens:
+                raise CacheFormatError(f"{where}/{array}: {shape[0]} rows, offsets say {tokens}")
+            layout = reader._layout(p, array)
+            if layout is None:
+                np.asarray(root[f"parts/{name}/{array}"][...])  # zarr-python checks the crc32c itself
+                continue
+            shards = reader._process_state()[3]
+            step = layout.chunk_rows
+            for start in range(0, tokens, step):
+                try:
+                    shards.read_rows(layout, start, min(tokens, start + step))
+                except CacheFormatError as e:
+                    raise CacheFormatError(f"{url}: {e}") from None
+                chunks += 1
+    return {"url": url, "parts": len(reader.parts), "samples": len(reader), "chunks_checked": chunks,
+            "ok": True}
+
+
+def info(url: str, storage_options: dict | None = None) -> dict:
+    reader = CacheReader(url, storage_options, verify=False)
+    m = reader.manifest
+    return {
+        "url": url,
+        "format_version": m["format_version"],
+        "samples": m["num_samples"],
+        "tokens": m["num_tokens"],
+        "parts": len(m["parts"]),
+        "layers": m["layers"],
+        "dtype": m["dtype"],
+        "codec": m["codec"],
+        "hidden_size": m["hidden_size"],
+        "max_length": m["max_length"],
+        "bytes_per_token": bytes_per_token(m["hidden_size"], len(m["layers"]), m["dtype"]),
+        "target": m["target"],
+    }

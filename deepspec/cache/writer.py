@@ -1,0 +1,201 @@
+"""Writing cache parts: whole shards per call, committed atomically, on a background thread.
+
+A part is written array by array into `parts/<name>/`; only then is the part group's `committed`
+attribute set. Anything under `parts/` without that mark is debris from a crash and is pruned.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import zarr
+
+from deepspec.cache.format import (FORMAT, FORMAT_VERSION, CacheFormatError, encode_hidden, hidden_name,
+                                   inner_codecs, scale_name)
+from deepspec.cache.store import open_root
+
+log = logging.getLogger(__name__)
+
+TOKEN_CHUNK_1D = 1024  # input_ids / loss_mask / scales: a sample reads one or two chunks
+
+
+@dataclass
+class PartData:
+    """One part's samples, in store order. `hidden` maps layer id (or "last") -> [T, H] float tensor."""
+    name: str
+    sample_ids: np.ndarray            # uint64 [n]
+    lengths: np.ndarray               # int64 [n]
+    input_ids: np.ndarray             # int32 [T]
+    loss_mask: np.ndarray             # uint8 [T]
+    hidden: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+def manifest_mismatch(old: dict, new: dict) -> str | None:
+    """First differing content field, spelled as a key path, or None when the store is compatible."""
+    for key in ("format_version", "target", "layers", "dtype", "codec", "max_length", "chunk_tokens"):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            for sub in sorted(set(a) | set(b)):
+                if sub != "id" and a.get(sub) != b.get(sub):
+                    return f"{key}.{sub}: store has {a.get(sub)!r}, expected {b.get(sub)!r}"
+        elif a != b:
+            return f"{key}: store has {a!r}, expected {b!r}"
+    return None
+
+
+class CacheWriter:
+    def __init__(self, url: str, manifest: dict, storage_options: dict | None = None,
+                 queue_size: int = 2, rank: int = 0, prune_stale: bool = True):
+        self.url = url
+        self.manifest = dict(manifest, format=FORMAT, format_version=FORMAT_VERSION)
+        self.storage_options = storage_options
+        self.root = open_root(url, "a", storage_options)
+        self.rank = rank
+        if rank == 0:
+            self._reconcile(prune_stale)
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="cache-writer", daemon=True)
+        self._thread.start()
+
+    # ---- opening ------------------------------------------------------------------------------
+    def _reconcile(self, prune_stale: bool) -> None:
+        old = dict(self.root.attrs)
+        if old.get("format") == FORMAT:
+            why = manifest_mismatch(old, self.manifest)
+            if why is not None:
+                if not prune_stale:
+                    raise CacheFormatError(f"{self.url}: existing cache does not match ({why}); refusing to "
+                                           "overwrite it — delete it or choose another cache.url")
+                log.warning("%s: existing cache is stale (%s): pruning all parts", self.url, why)
+                self._delete("parts")
+        elif list(self.root.keys()) and not old:
+            raise CacheFormatError(f"{self.url}: exists and is not a deepspec cache; refusing to write into it")
+        for name in self.uncommitted_parts():
+            log.info("pruning uncommitted part %s (left by an interrupted run)", name)
+            self._delete(f"parts/{name}")
+        self.root.attrs.update(self._manifest_attrs())
+
+    def _delete(self, path: str) -> None:
+        from zarr.core.sync import sync
+
+        sync(self.root.store.delete_dir(path))
+
+    def _parts_group(self) -> zarr.Group | None:
+        try:
+            return self.root["parts"]
+        except KeyError:
+            return None
+
+    def committed_parts(self) -> dict[str, dict]:
+        group = self._parts_group()
+        if group is None:
+            return {}
+        out = {}
+        for name, member in group.members():
+            attrs = dict(member.attrs)
+            if attrs.get("committed"):
+                out[name] = attrs
+        return dict(sorted(out.items()))
+
+    def uncommitted_parts(self) -> list[str]:
+        group = self._parts_group()
+        if group is None:
+            return []
+        return sorted(name for name, member in group.members() if not member.attrs.get("committed"))
+
+    def committed_sample_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for name in self.committed_parts():
+            ids.update(int(v) for v in self.root[f"parts/{name}/sample_id"][...])
+        return ids
+
+    # ---- writing ------------------------------------------------------------------------------
+    def submit(self, part: PartData) -> None:
+        """Hand a part to the background thread (blocks while `queue_size` parts are pending)."""
+        self._raise_if_failed()
+        self._queue.put(part)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._raise_if_failed()
+
+    def abort(self) -> None:
+        """Stop after the part being written; pending parts are dropped (they are not committed)."""
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._queue.put(None)
+        self._thread.join()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise CacheFormatError(f"{self.url}: writing a part failed: {self._error}") from self._error
+
+    def _run(self) -> None:
+        while (part := self._queue.get()) is not None:
+            if self._error is not None:
+                continue
+            try:
+                self.write_part(part)
+            except BaseException as e:  # surfaced to the producer on its next submit/close
+                self._error = e
+
+    def _array(self, group: zarr.Group, name: str, data: np.ndarray, chunk_rows: int) -> None:
+        rows = data.shape[0]
+        chunks = (min(chunk_rows, max(rows, 1)),) + data.shape[1:]
+        shards = (math.ceil(max(rows, 1) / chunks[0]) * chunks[0],) + data.shape[1:]
+        codecs = inner_codecs(self.manifest["codec"] if data.ndim == 2 else "none", data.dtype.itemsize)
+        arr = group.create_array(name, shape=data.shape, dtype=data.dtype, chunks=chunks, shards=shards,
+                                 serializer=codecs[0], compressors=codecs[1:], fill_value=0,
+                                 config={"write_empty_chunks": True}, overwrite=True)
+        arr[...] = data  # the whole shard in one call: no read-modify-write
+
+    def write_part(self, part: PartData) -> None:
+        dtype, chunk = self.manifest["dtype"], self.manifest["chunk_tokens"]
+        group = self.root.require_group(f"parts/{part.name}")
+        group.attrs.put({"committed": False})
+        offsets = np.zeros(len(part.lengths) + 1, dtype=np.int64)
+        np.cumsum(part.lengths, out=offsets[1:])
+        self._array(group, "offsets", offsets, max(len(offsets), 1))
+        self._array(group, "sample_id", part.sample_ids.astype(np.uint64), max(len(part.sample_ids), 1))
+        self._array(group, "input_ids", part.input_ids.astype(np.int32), TOKEN_CHUNK_1D)
+        self._array(group, "loss_mask", part.loss_mask.astype(np.uint8), TOKEN_CHUNK_1D)
+        for layer, values in part.hidden.items():
+            bits, scale = encode_hidden(values if isinstance(values, torch.Tensor) else torch.as_tensor(values),
+                                        dtype)
+            self._array(group, hidden_name(layer), bits, chunk)
+            if scale is not None:
+                self._array(group, scale_name(layer), scale, TOKEN_CHUNK_1D)
+        group.attrs.put({"committed": True, "samples": int(len(part.lengths)), "tokens": part.tokens,
+                         "rank": self.rank})
+        log.debug("committed part %s: %d samples, %d tokens", part.name, len(part.lengths), part.tokens)
+        if self.rank == 0 and self._thread is threading.current_thread():
+            self.write_manifest()
+
+    def _manifest_attrs(self) -> dict:
+        parts = self.committed_parts()
+        return dict(
+            self.manifest,
+            parts=[{"name": n, "samples": a["samples"], "tokens": a["tokens"]} for n, a in parts.items()],
+            num_samples=sum(a["samples"] for a in parts.values()),
+            num_tokens=sum(a["tokens"] for a in parts.values()),
+        )
+
+    def write_manifest(self) -> dict:
+        """Consolidate the committed parts into the root attributes (one atomic object write)."""
+        attrs = self._manifest_attrs()
+        self.root.attrs.put(attrs)
+        return attrs

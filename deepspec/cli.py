@@ -1,0 +1,53 @@
+"""`deepspec ...`: the cache tools usable outside DVC (info, verify, estimate)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from deepspec.cache.format import CacheFormatError
+
+
+def _storage_options(text: str | None) -> dict | None:
+    return json.loads(text) if text else None
+
+
+def _parse_layers(text: str) -> list[int]:
+    return [int(x) for x in text.replace("[", "").replace("]", "").split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="deepspec", description=__doc__)
+    sub = parser.add_subparsers(dest="group", required=True)
+    cache = sub.add_parser("cache", help="inspect, check and size target caches")
+    cmds = cache.add_subparsers(dest="cmd", required=True)
+    for name, text in (("info", "counts, layers, dtype, bytes/token, target identity"),
+                       ("verify", "read every chunk; check checksums, offsets and counts")):
+        p = cmds.add_parser(name, help=text)
+        p.add_argument("url", help="store path or s3://bucket/path")
+        p.add_argument("--storage-options", help="JSON dict passed to fsspec (e.g. endpoint_url)")
+    est = cmds.add_parser("estimate", help="bytes/token and total size for a target shape")
+    est.add_argument("--hidden-size", type=int, required=True)
+    est.add_argument("--layers", type=_parse_layers, required=True, help="e.g. 1,9,17,25,33")
+    est.add_argument("--tokens", type=float, required=True, help="total tokens (e.g. 1.25e9)")
+    est.add_argument("--dtype", choices=["bfloat16", "fp8"], default="bfloat16")
+    args = parser.parse_args(argv)
+
+    from deepspec.cache import estimate, verify
+
+    try:
+        if args.cmd == "info":
+            out = verify.info(args.url, _storage_options(args.storage_options))
+        elif args.cmd == "verify":
+            out = verify.verify(args.url, _storage_options(args.storage_options))
+        else:
+            out = estimate.estimate(args.hidden_size, args.layers, int(args.tokens), args.dtype)
+    except CacheFormatError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

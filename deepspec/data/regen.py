@@ -1,0 +1,284 @@
+"""The `regen` stage: re-generate every assistant turn with the target, crash-safe.
+
+One request per user turn; the history is the regenerated answers so far. Results are journaled
+as they complete (one JSON line per finished sample, flushed and fsync'd); a rerun reads the
+journal, drops a torn last line, and only asks for what is missing, so after a kill at any point
+the final file holds every id exactly once. The journal carries a fingerprint of everything that
+shapes an answer (model identity incl. chat template, sampling, backend); a change discards it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import random
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import requests
+from tqdm import tqdm
+
+from deepspec.config import RegenConfig, SamplingConfig, to_dict
+from deepspec.io import atomic_open, fingerprint, hash_unit, read_jsonl, write_json
+
+log = logging.getLogger(__name__)
+
+
+class RequestFailed(RuntimeError):
+    def __init__(self, reason: str, detail: str = "", retryable: bool = True):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+        self.retryable = retryable
+
+
+# ---- request bodies ------------------------------------------------------------------------------
+
+def request_seed(sampling: SamplingConfig, sample_id: str, turn: int) -> int:
+    """Distinct per (sample, turn), reproducible across runs."""
+    return (sampling.seed * 1_000_003 + int(hash_unit("regen-seed", sample_id, turn) * 2**31)) % 2**31
+
+
+def build_request(backend: str, model: str, messages: list[dict], sampling: SamplingConfig,
+                  seed: int, disable_thinking: bool = True) -> dict:
+    """The exact JSON body for /v1/chat/completions on each backend."""
+    body: dict = {"model": model, "messages": messages, "max_tokens": sampling.max_tokens,
+                  "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": seed, "stream": False}
+    if backend == "sglang":
+        body["top_k"] = sampling.top_k if sampling.top_k > 0 else -1  # sglang: -1 = disabled
+        body["min_p"] = sampling.min_p
+        if disable_thinking:
+            body["chat_template_kwargs"] = {"enable_thinking": False}
+    elif backend == "transformers":
+        # transformers serve rejects a top-level top_k; it reads sampling knobs from a
+        # generation_config JSON string (and ignores temperature unless do_sample is on).
+        gen = {"do_sample": sampling.temperature > 0, "max_new_tokens": sampling.max_tokens}
+        if sampling.temperature > 0:
+            gen |= {"temperature": sampling.temperature, "top_p": sampling.top_p}
+            if sampling.top_k > 0:
+                gen["top_k"] = sampling.top_k
+            if sampling.min_p > 0:
+                gen["min_p"] = sampling.min_p
+        body["generation_config"] = json.dumps(gen, sort_keys=True)
+        if disable_thinking:
+            body["chat_template_kwargs"] = {"enable_thinking": False}
+    elif backend != "openai":
+        raise ValueError(f"unknown backend {backend!r}")
+    return body
+
+
+def parse_response(resp: requests.Response) -> tuple[str, str, int]:
+    """(content, finish_reason, completion tokens) or RequestFailed with a reason."""
+    if resp.status_code >= 500:
+        raise RequestFailed("http_5xx", f"HTTP {resp.status_code}: {resp.text[:200]}")
+    if resp.status_code == 429:
+        raise RequestFailed("http_429", resp.text[:200])
+    if resp.status_code >= 400:
+        raise RequestFailed("http_4xx", f"HTTP {resp.status_code}: {resp.text[:200]}", retryable=False)
+    try:
+        data = resp.json()
+    except ValueError:
+        raise RequestFailed("non_json", resp.text[:200]) from None
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not choices:
+        raise RequestFailed("empty_choices", json.dumps(data)[:200])
+    choice = choices[0]
+    content = (choice.get("message") or {}).get("content")
+    if not isinstance(content, str):
+        raise RequestFailed("no_content", json.dumps(choice)[:200])
+    usage = data.get("usage") or {}
+    return content, str(choice.get("finish_reason")), int(usage.get("completion_tokens") or 0)
+
+
+# ---- one sample ----------------------------------------------------------------------------------
+
+@dataclass
+class Endpoint:
+    url: str      # base URL without /v1
+    model: str
+
+
+class Client:
+    def __init__(self, cfg: RegenConfig, sampling: SamplingConfig, api_key: str | None = None,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.cfg = cfg
+        self.sampling = sampling
+        self.sleep = sleep
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._local = threading.local()
+
+    def _session(self) -> requests.Session:
+        if not hasattr(self._local, "session"):
+            self._local.session = requests.Session()
+        return self._local.session
+
+    def complete(self, endpoint: Endpoint, body: dict) -> tuple[str, str, int]:
+        """POST with retries: exponential backoff with jitter on every transient fault."""
+        last: RequestFailed | None = None
+        for attempt in range(self.cfg.max_retries + 1):
+            if attempt:
+                delay = self.cfg.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
+                self.sleep(delay)
+            try:
+                resp = self._session().post(f"{endpoint.url}/v1/chat/completions", json=body,
+                                            headers=self.headers, timeout=self.cfg.timeout_s)
+                content, finish, n = parse_response(resp)
+                if not content.strip():
+                    raise RequestFailed("empty_content", f"finish_reason={finish}")
+                return content, finish, n
+            except requests.Timeout as e:
+                last = RequestFailed("timeout", str(e)[:200])
+            except requests.ConnectionError as e:
+                last = RequestFailed("connection", str(e)[:200])
+            except RequestFailed as e:
+                last = e
+                if not e.retryable:
+                    break
+            log.debug("attempt %d failed: %s", attempt + 1, last)
+        raise last
+
+    def regenerate(self, endpoint: Endpoint, row: dict) -> dict:
+        history: list[dict] = []
+        finish_reasons, tokens = [], 0
+        turns = row["conversations"]
+        if turns and turns[0]["role"] == "system":
+            history.append(dict(turns[0]))
+        for t, turn in enumerate(x for x in turns if x["role"] == "user"):
+            history.append({"role": "user", "content": turn["content"]})
+            body = build_request(self.cfg.backend, endpoint.model, history, self.sampling,
+                                 request_seed(self.sampling, row["id"], t), self.cfg.disable_thinking)
+            content, finish, n = self.complete(endpoint, body)
+            history.append({"role": "assistant", "content": content})
+            finish_reasons.append(finish)
+            tokens += n
+        return {"id": row["id"], "task": row.get("task"), "source": row.get("source"),
+                "conversations": history, "finish_reasons": finish_reasons, "completion_tokens": tokens}
+
+
+# ---- the journal -----------------------------------------------------------------------------------
+
+class Journal:
+    """Append-only JSONL of finished samples, valid for one fingerprint."""
+
+    def __init__(self, directory: Path, fp: str):
+        self.dir = directory
+        self.rows_path = directory / "rows.jsonl"
+        meta = directory / "meta.json"
+        if directory.exists():
+            old = json.loads(meta.read_text()).get("fingerprint") if meta.exists() else None
+            if old != fp:
+                log.warning("regen journal fingerprint changed (%s -> %s): discarding %s", old, fp, directory)
+                shutil.rmtree(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        if not meta.exists():
+            write_json(meta, {"fingerprint": fp})
+        self.done: dict[str, dict] = {}
+        self._recover()
+        self._f = open(self.rows_path, "a", encoding="utf-8")
+
+    def _recover(self) -> None:
+        if not self.rows_path.exists():
+            return
+        data = self.rows_path.read_bytes()
+        good = data.rfind(b"\n") + 1  # a kill mid-write leaves at most one torn line at the end
+        if good < len(data):
+            log.warning("regen journal: dropping a torn last line (%d bytes)", len(data) - good)
+            with open(self.rows_path, "r+b") as f:
+                f.truncate(good)
+        for line in data[:good].splitlines():
+            row = json.loads(line)
+            self.done.setdefault(row["id"], row)
+
+    def append(self, row: dict) -> None:
+        self._f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self.done[row["id"]] = row
+
+    def close(self) -> None:
+        self._f.close()
+
+
+# ---- the stage ---------------------------------------------------------------------------------------
+
+def select_rows(rows: list[dict], cfg: RegenConfig) -> list[dict]:
+    """A hash-based subset: growing the source never drops or swaps an already selected row."""
+    return [r for r in rows if cfg.fraction >= 1.0 or hash_unit("regen", r["id"]) < cfg.fraction]
+
+
+def regen_fingerprint(cfg: RegenConfig, sampling: SamplingConfig, target_identity: dict | None) -> str:
+    return fingerprint({"target": target_identity, "sampling": to_dict(sampling), "backend": cfg.backend,
+                        "disable_thinking": cfg.disable_thinking, "model": cfg.model})
+
+
+def run_regen(rows: list[dict], endpoints: list[Endpoint], cfg: RegenConfig, sampling: SamplingConfig,
+              journal: Journal, api_key: str | None = None) -> tuple[list[dict], list[dict]]:
+    """Regenerate every row not in the journal; returns (rows in input order, errors)."""
+    client = Client(cfg, sampling, api_key)
+    todo = [r for r in rows if r["id"] not in journal.done]
+    work: queue.Queue = queue.Queue()
+    for r in todo:
+        work.put(r)
+    results: queue.Queue = queue.Queue()
+    stop = threading.Event()
+
+    def worker(endpoint: Endpoint) -> None:
+        while not stop.is_set():
+            try:
+                row = work.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results.put(("ok", client.regenerate(endpoint, row)))
+            except RequestFailed as e:
+                results.put(("error", {"id": row["id"], "reason": e.reason, "detail": e.detail}))
+            except Exception as e:  # a bug must not hang the stage: report it as this row's error
+                results.put(("error", {"id": row["id"], "reason": "exception", "detail": repr(e)[:300]}))
+
+    threads = [threading.Thread(target=worker, args=(ep,), daemon=True, name=f"regen-{i}-{k}")
+               for i, ep in enumerate(endpoints) for k in range(cfg.concurrency)]
+    errors: list[dict] = []
+    t0, gen_tokens = time.time(), 0
+    bar = tqdm(total=len(rows), initial=len(rows) - len(todo), unit="sample", desc="regen", dynamic_ncols=True)
+    for th in threads:
+        th.start()
+    try:
+        for _ in range(len(todo)):
+            kind, payload = results.get()
+            if kind == "ok":
+                journal.append(payload)
+                gen_tokens += payload["completion_tokens"]
+            else:
+                errors.append(payload)
+                log.warning("regen %s failed: %s %s", payload["id"], payload["reason"], payload["detail"])
+            bar.update(1)
+            elapsed = max(time.time() - t0, 1e-6)
+            bar.set_postfix(tok_s=f"{gen_tokens / elapsed:.0f}", errors=len(errors))
+    finally:
+        stop.set()
+        bar.close()
+    for th in threads:
+        th.join(timeout=1)
+    ordered = [journal.done[r["id"]] for r in rows if r["id"] in journal.done]
+    return ordered, errors
+
+
+def write_outputs(out_dir: Path, ordered: list[dict], errors: list[dict], sampling: SamplingConfig,
+                  model_id: str | None) -> None:
+    with atomic_open(out_dir / "train.jsonl") as f:
+        for row in ordered:
+            out = {k: v for k, v in row.items() if k != "completion_tokens"}
+            out |= {"sampling": to_dict(sampling), "target": model_id}
+            f.write(json.dumps(out, ensure_ascii=False) + "\n")
+    with atomic_open(out_dir / "errors.jsonl") as f:
+        for e in errors:
+            f.write(json.dumps(e, ensure_ascii=False) + "\n")
+
+
+def load_rows(split_train: Path) -> list[dict]:
+    return list(read_jsonl(split_train))

@@ -1,0 +1,61 @@
+"""DVC stage `regen`: data/split/train.jsonl -> data/regen/{train,errors}.jsonl (see deepspec.data.regen)."""
+import json
+import logging
+import os
+from pathlib import Path
+
+from deepspec.data.regen import Endpoint, Journal, load_rows, regen_fingerprint, run_regen, select_rows, write_outputs
+from deepspec.data.servers import ServerError, launch_sglang, launch_transformers_serve
+from deepspec.models.target import load_identity
+from deepspec.stage import StageError, run_stage
+
+log = logging.getLogger("regen")
+OUT = Path("data/regen")
+TARGET = Path("data/target")
+
+
+def start_endpoints(cfg, stack):
+    """Endpoints to send requests to; servers this stage starts are pushed on `stack` to be stopped."""
+    model = cfg.model or str(TARGET)
+    if cfg.urls:
+        return [Endpoint(u.rstrip("/").removesuffix("/v1"), model) for u in cfg.urls]
+    if cfg.backend == "transformers":
+        server = launch_transformers_serve(TARGET, cfg.server_port, continuous_batching=cfg.concurrency > 1,
+                                           log_dir=OUT / "logs", timeout=cfg.server_start_timeout_s)
+        stack.append(server)
+        return [Endpoint(server.url, server.model)]
+    if cfg.backend == "sglang" and cfg.launch_servers > 0:
+        endpoints, started = launch_sglang(str(TARGET), cfg.launch_servers, OUT / "logs",
+                                           cfg.server_start_timeout_s)
+        stack.extend(started)
+        return [Endpoint(s.url, model) for s in endpoints]
+    raise StageError(f"regen.urls: backend {cfg.backend!r} needs server URLs (or regen.launch_servers for sglang)")
+
+
+def main(params):
+    cfg = params.regen
+    rows = select_rows(load_rows(Path("data/split/train.jsonl")), cfg)
+    identity = load_identity(TARGET)
+    journal = Journal(OUT / "journal", regen_fingerprint(cfg, params.sampling, identity))
+    api_key = os.environ.get(cfg.api_key_env) if cfg.backend == "openai" else None
+    servers = []
+    try:
+        todo = sum(r["id"] not in journal.done for r in rows)
+        endpoints = start_endpoints(cfg, servers) if todo else []
+        ordered, errors = run_regen(rows, endpoints, cfg, params.sampling, journal, api_key)
+    except ServerError as e:
+        raise StageError(str(e)) from None
+    finally:
+        journal.close()
+        for s in reversed(servers):
+            s.stop()
+    write_outputs(OUT, ordered, errors, params.sampling, identity["id"])
+    summary = {"rows": len(rows), "regenerated": len(ordered), "errors": len(errors)}
+    print(json.dumps(summary))
+    if rows and len(errors) / len(rows) > cfg.max_error_fraction:
+        raise StageError(f"regen: {len(errors)} of {len(rows)} samples failed (> regen.max_error_fraction "
+                         f"{cfg.max_error_fraction}); see {OUT / 'errors.jsonl'}; rerun to retry them")
+
+
+if __name__ == "__main__":
+    run_stage(main)

@@ -1,0 +1,287 @@
+import http.server
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deepspec.config import RegenConfig, SamplingConfig
+from deepspec.data.regen import (Client, Endpoint, Journal, RequestFailed, build_request, run_regen, select_rows)
+from deepspec.data.servers import free_port, launch_transformers_serve
+from tests.conftest import REPO, SAMPLE_CONVERSATIONS, project_env, write_split
+
+MULTI = [{"id": "a" * 16, "conversations": [
+    {"role": "user", "content": "What is 3 plus 4?"}, {"role": "assistant", "content": "old answer"},
+    {"role": "user", "content": "What is 5 plus 6?"}, {"role": "assistant", "content": "old answer 2"}]}]
+
+
+def rows(n):
+    return [{"id": f"{i:016x}", "conversations": c} for i, c in enumerate(SAMPLE_CONVERSATIONS[:n])]
+
+
+# ---- request bodies -------------------------------------------------------------------------------
+
+# sglang's documented /v1/chat/completions request (ChatCompletionRequest in
+# python/sglang/srt/entrypoints/openai/protocol.py, sgl-project/sglang@004c82e): field -> allowed types
+SGLANG_CHAT_FIELDS = {
+    "messages": list, "model": str, "max_tokens": int, "max_completion_tokens": int, "temperature": float,
+    "top_p": float, "top_k": int, "min_p": float, "seed": int, "stream": bool, "stop": (str, list),
+    "chat_template_kwargs": dict, "n": int, "frequency_penalty": float, "presence_penalty": float,
+    "repetition_penalty": float, "min_tokens": int, "skip_special_tokens": bool,
+}
+
+
+def test_sglang_body_matches_the_documented_api():
+    sampling = SamplingConfig(temperature=0.7, top_p=0.8, top_k=20, min_p=0.05, max_tokens=128, seed=3)
+    body = build_request("sglang", "Qwen/Qwen3-4B", [{"role": "user", "content": "hi"}], sampling, 11, True)
+    for key, value in body.items():
+        assert key in SGLANG_CHAT_FIELDS, f"{key} is not a field of sglang's ChatCompletionRequest"
+        types = SGLANG_CHAT_FIELDS[key]
+        types = (int, float) if types is float else types
+        assert isinstance(value, types), f"{key}={value!r} has the wrong type"
+    assert body["top_k"] == 20 and body["min_p"] == 0.05 and body["seed"] == 11
+    assert body["chat_template_kwargs"] == {"enable_thinking": False}
+    assert body["max_tokens"] == 128 and body["temperature"] == 0.7 and body["top_p"] == 0.8
+    assert build_request("sglang", "m", [], SamplingConfig(top_k=0), 0, False)["top_k"] == -1
+    assert "chat_template_kwargs" not in build_request("sglang", "m", [], sampling, 0, False)
+
+
+def test_transformers_body_puts_top_k_in_generation_config():
+    body = build_request("transformers", "data/target", [], SamplingConfig(top_k=5, temperature=0.9), 1)
+    assert "top_k" not in body
+    gen = json.loads(body["generation_config"])
+    assert gen == {"do_sample": True, "max_new_tokens": 64, "temperature": 0.9, "top_k": 5, "top_p": 0.9}
+    greedy = json.loads(build_request("transformers", "m", [], SamplingConfig(temperature=0.0), 1)["generation_config"])
+    assert greedy == {"do_sample": False, "max_new_tokens": 64}
+    plain = build_request("openai", "gpt", [], SamplingConfig(), 1)
+    assert set(plain) == {"model", "messages", "max_tokens", "temperature", "top_p", "seed", "stream"}
+
+
+def test_selection_is_stable_under_growth():
+    small, big = rows(20), rows(60)
+    cfg = RegenConfig(fraction=0.5)
+    picked_small = {r["id"] for r in select_rows(small, cfg)}
+    picked_big = {r["id"] for r in select_rows(big, cfg)}
+    assert picked_small <= picked_big and 0 < len(picked_small) < 20
+
+
+# ---- faults against a real HTTP server on 127.0.0.1 -----------------------------------------------
+
+class FaultServer:
+    """Answers /v1/chat/completions with a scripted sequence of faults, then a valid reply."""
+
+    def __init__(self, script):
+        self.script = list(script)
+        self.calls = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                outer.calls += 1
+                kind = outer.script.pop(0) if outer.script else "ok"
+                if kind == "slow":
+                    time.sleep(1.0)
+                    kind = "ok"
+                if kind == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                status, body = {
+                    "500": (503, b"overloaded"),
+                    "html": (200, b"<html>oops</html>"),
+                    "empty": (200, b'{"choices": []}'),
+                    "400": (400, b'{"detail": "bad"}'),
+                    "ok": (200, json.dumps({"choices": [{"message": {"content": "fine"}, "finish_reason": "stop"}],
+                                            "usage": {"completion_tokens": 2}}).encode()),
+                }[kind]
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+@pytest.mark.parametrize("fault, reason", [("500", "http_5xx"), ("html", "non_json"), ("empty", "empty_choices"),
+                                           ("slow", "timeout"), ("drop", "connection")])
+def test_faults_are_retried_then_recorded(fault, reason):
+    server = FaultServer([fault] * 10)
+    delays = []
+    client = Client(RegenConfig(max_retries=2, backoff_s=0.1, timeout_s=0.3), SamplingConfig(), sleep=delays.append)
+    try:
+        with pytest.raises(RequestFailed) as e:
+            client.complete(Endpoint(server.url, "m"), {"messages": []})
+        assert e.value.reason == reason
+        assert server.calls == 3 and len(delays) == 2
+        assert 0.05 <= delays[0] <= 0.15 and 0.1 <= delays[1] <= 0.3  # exponential backoff with jitter
+    finally:
+        server.close()
+
+
+def test_transient_fault_then_success_and_4xx_not_retried():
+    server = FaultServer(["500", "empty"])
+    client = Client(RegenConfig(max_retries=3, backoff_s=0.0), SamplingConfig())
+    try:
+        assert client.complete(Endpoint(server.url, "m"), {}) == ("fine", "stop", 2)
+        assert server.calls == 3
+        server.script = ["400"]
+        with pytest.raises(RequestFailed, match="http_4xx"):
+            client.complete(Endpoint(server.url, "m"), {})
+        assert server.calls == 4
+    finally:
+        server.close()
+
+
+def test_connection_refused_is_recorded_per_row(tmp_path):
+    dead = Endpoint(f"http://127.0.0.1:{free_port()}", "m")
+    journal = Journal(tmp_path / "j", "fp")
+    ordered, errors = run_regen(rows(3), [dead], RegenConfig(max_retries=1, backoff_s=0.0, concurrency=2),
+                                SamplingConfig(), journal)
+    assert ordered == [] and sorted(e["reason"] for e in errors) == ["connection"] * 3
+
+
+# ---- the journal -----------------------------------------------------------------------------------
+
+def test_journal_drops_a_torn_line_and_resets_on_new_fingerprint(tmp_path):
+    j = Journal(tmp_path / "j", "fp1")
+    j.append({"id": "1", "x": 1})
+    j.append({"id": "2", "x": 2})
+    j.close()
+    with open(tmp_path / "j" / "rows.jsonl", "a") as f:
+        f.write('{"id": "3", "x"')  # killed mid-write
+    j = Journal(tmp_path / "j", "fp1")
+    assert sorted(j.done) == ["1", "2"]
+    j.append({"id": "3", "x": 3})
+    j.close()
+    assert len((tmp_path / "j" / "rows.jsonl").read_text().splitlines()) == 3
+    assert Journal(tmp_path / "j", "fp2").done == {}
+
+
+# ---- a real `transformers serve` on 127.0.0.1 --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def serve_sequential(trained_target):
+    server = launch_transformers_serve(trained_target, continuous_batching=False, timeout=180)
+    yield server
+    server.stop()
+
+
+def test_multi_turn_rows_replace_every_answer(serve_sequential, tmp_path):
+    ep = Endpoint(serve_sequential.url, serve_sequential.model)
+    ordered, errors = run_regen(MULTI + rows(2), [ep], RegenConfig(backend="transformers", concurrency=1),
+                                SamplingConfig(max_tokens=12), Journal(tmp_path / "j", "fp"))
+    assert errors == []
+    assert [r["id"] for r in ordered] == [MULTI[0]["id"], rows(2)[0]["id"], rows(2)[1]["id"]]
+    conv = ordered[0]["conversations"]
+    assert [t["role"] for t in conv] == ["user", "assistant", "user", "assistant"]
+    assert [t["content"] for t in conv if t["role"] == "user"] == ["What is 3 plus 4?", "What is 5 plus 6?"]
+    assert all(t["content"] not in ("old answer", "old answer 2") for t in conv if t["role"] == "assistant")
+    assert len(ordered[0]["finish_reasons"]) == 2
+    assert set(ordered[0]["finish_reasons"]) <= {"stop", "length"}
+
+
+def test_sampling_settings_take_effect(serve_sequential):
+    ep = Endpoint(serve_sequential.url, serve_sequential.model)
+    client = Client(RegenConfig(backend="transformers"), SamplingConfig())
+    msgs = [{"role": "user", "content": "What is 7 plus 5?"}]
+
+    def ask(sampling, seed):
+        return client.complete(ep, build_request("transformers", ep.model, msgs, sampling, seed))[0]
+
+    hot = SamplingConfig(temperature=1.5, top_p=1.0, top_k=0, max_tokens=24)
+    assert len({ask(hot, s) for s in (1, 2, 3)}) > 1             # different seeds, different answers
+    assert ask(hot, 7) == ask(hot, 7)                              # same seed, same answer
+    greedy = SamplingConfig(temperature=0.0, max_tokens=24)
+    assert ask(greedy, 1) == ask(greedy, 2)                        # temperature 0 is deterministic
+
+
+def test_server_killed_mid_run_then_rerun_completes(trained_target, tmp_path):
+    server = launch_transformers_serve(trained_target, continuous_batching=False, timeout=180)
+    ep = Endpoint(server.url, server.model)
+    cfg = RegenConfig(backend="transformers", concurrency=1, max_retries=1, backoff_s=0.05, timeout_s=20)
+    data = rows(16)
+    journal = Journal(tmp_path / "j", "fp")
+    killer = threading.Thread(target=lambda: (time.sleep(0.5), server.proc.kill()))
+    killer.start()
+    try:
+        ordered, errors = run_regen(data, [ep], cfg, SamplingConfig(max_tokens=48), journal)
+    finally:
+        killer.join()
+        server.stop()
+    assert errors and {e["reason"] for e in errors} <= {"connection", "timeout"}
+    assert len(ordered) + len(errors) == len(data)
+    journal.close()
+    server = launch_transformers_serve(trained_target, continuous_batching=False, timeout=180)
+    try:
+        journal = Journal(tmp_path / "j", "fp")
+        done_before = dict(journal.done)
+        ordered, errors = run_regen(data, [Endpoint(server.url, server.model)], cfg,
+                                    SamplingConfig(max_tokens=48), journal)
+    finally:
+        server.stop()
+    assert errors == [] and [r["id"] for r in ordered] == [r["id"] for r in data]
+    assert all(journal.done[i] == row for i, row in done_before.items())
+
+
+@pytest.mark.slow
+def test_stage_sigkill_then_rerun_has_each_id_exactly_once(trained_target, tmp_path):
+    """`python stages/regen.py` as DVC runs it: SIGKILL it mid-run, rerun, compare."""
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    shutil.copytree(trained_target, work / "data" / "target")
+    data = [c for c in SAMPLE_CONVERSATIONS] * 1
+    write_split(work / "data" / "split" / "train.jsonl", data)
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["sampling"]["max_tokens"] = 24
+    params["regen"] = {"backend": "transformers", "concurrency": 2, "fraction": 1.0}
+    (work / "params.yaml").write_text(yaml.safe_dump(params))
+    env = project_env(REPO)
+    cmd = [sys.executable, str(REPO / "stages" / "regen.py")]
+    proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    journal = work / "data" / "regen" / "journal" / "rows.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if journal.exists() and len(journal.read_bytes().splitlines()) >= 5:
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = {json.loads(line)["id"]: json.loads(line) for line in journal.read_bytes().splitlines()
+              if line.endswith(b"}")}
+    assert 5 <= len(before) < len(data)
+    def our_servers():  # the stage's server must die with it (PR_SET_PDEATHSIG)
+        pids = subprocess.run(["pgrep", "-f", "serve data/target"], stdout=subprocess.PIPE, text=True).stdout
+        return [p for p in pids.split() if Path(f"/proc/{p}/cwd").exists()
+                and Path(f"/proc/{p}/cwd").resolve() == work.resolve()]
+
+    for _ in range(50):
+        if not our_servers():
+            break
+        time.sleep(0.2)
+    assert our_servers() == []
+    subprocess.run(cmd, cwd=work, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = [json.loads(line) for line in open(work / "data" / "regen" / "train.jsonl")]
+    ids = [r["id"] for r in out]
+    assert ids == [f"{i:016x}" for i in range(len(data))]  # every id exactly once, in input order
+    for row in out:
+        if row["id"] in before:
+            assert row["conversations"] == before[row["id"]]["conversations"]
+    assert (work / "data" / "regen" / "errors.jsonl").read_text() == ""
