@@ -4,7 +4,8 @@ import logging
 import os
 from pathlib import Path
 
-from deepspec.data.regen import Endpoint, Journal, load_rows, regen_fingerprint, run_regen, select_rows, write_outputs
+from deepspec.data.regen import (Endpoint, Journal, load_rows, model_eos, regen_fingerprint, run_regen, select_rows,
+                                 write_outputs)
 from deepspec.data.servers import ServerError, launch_sglang, launch_transformers_serve
 from deepspec.models.target import load_identity
 from deepspec.stage import StageError, run_stage
@@ -42,7 +43,8 @@ def main(params):
     try:
         todo = sum(r["id"] not in journal.done for r in rows)
         endpoints = start_endpoints(cfg, servers) if todo else []
-        ordered, errors = run_regen(rows, endpoints, cfg, params.sampling, journal, api_key)
+        eos = model_eos(TARGET) if cfg.backend == "transformers" else None
+        ordered, errors = run_regen(rows, endpoints, cfg, params.sampling, journal, api_key, eos)
     except ServerError as e:
         raise StageError(str(e)) from None
     finally:

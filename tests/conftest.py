@@ -120,3 +120,61 @@ def trained_target(tmp_path_factory) -> Path:
     prepare_target(TargetConfig(tiny=TinyTargetConfig(**SMALL_TINY)), [0, 1, 2],
                    write_split(root / "train.jsonl"), out)
     return out
+
+
+class MotoServer:
+    """A real S3-compatible server (moto_server) on 127.0.0.1, started for the test session."""
+
+    def __init__(self, log_dir: Path):
+        import time
+
+        import requests
+
+        from deepspec.data.servers import free_port
+
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        exe = Path(sys.executable).parent / "moto_server"
+        self.log = open(log_dir / "moto.log", "wb")
+        self.proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(self.port)], stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                requests.get(self.endpoint, timeout=1)
+                break
+            except requests.RequestException:
+                time.sleep(0.2)
+        else:
+            raise RuntimeError("moto_server did not start")
+        self.env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                    "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+
+    @property
+    def storage_options(self) -> dict:
+        return {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing"}
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing",
+                            aws_secret_access_key="testing", region_name="us-east-1")
+
+    def bucket(self, name: str) -> str:
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def moto(tmp_path_factory):
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_EC2_METADATA_DISABLED": "true", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(k, v)
+    server = MotoServer(tmp_path_factory.mktemp("moto"))
+    yield server
+    server.stop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,15 +73,20 @@ def _parse_layout(path: str, meta: dict) -> ShardLayout | None:
 class _Files:
     """Byte-range access to store keys: pread on local files (an LRU of open fds), fsspec otherwise."""
 
-    def __init__(self, url: str, storage_options: dict | None):
+    def __init__(self, url: str, storage_options: dict | None, cache_dir: str | None = None,
+                 retries: int = 3):
         self.url = url.rstrip("/")
         self.remote = is_remote(url)
+        self.retries = retries
         self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._lock = threading.Lock()
         if self.remote:
             import fsspec
 
-            self.fs, self.root = fsspec.core.url_to_fs(url, **storage_options_for(url, storage_options))
+            fs, self.root = fsspec.core.url_to_fs(url, **storage_options_for(url, storage_options))
+            if cache_dir:  # fsspec's own block cache: byte ranges are kept on local disk
+                fs = fsspec.filesystem("blockcache", fs=fs, cache_storage=cache_dir)
+            self.fs = fs
         else:
             self.root = url.removeprefix("file://")
 
@@ -101,7 +107,15 @@ class _Files:
 
     def read(self, key: str, start: int, end: int) -> bytes:
         if self.remote:
-            return self.fs.cat_file(f"{self.root}/{key}", start=start, end=end)
+            for attempt in range(self.retries + 1):
+                try:
+                    return self.fs.cat_file(f"{self.root}/{key}", start=start, end=end)
+                except FileNotFoundError:
+                    raise
+                except OSError:  # transient network/storage errors; s3fs maps most to OSError
+                    if attempt == self.retries:
+                        raise
+                    time.sleep(0.2 * 2 ** attempt)
         data = os.pread(self._fd(key), end - start, start)
         if len(data) != end - start:
             raise CacheFormatError(f"{key}: short read ({len(data)} of {end - start} bytes at {start})")
@@ -145,9 +159,12 @@ class ShardReader:
             body = blosc.decompress(bytes(body))
         return np.frombuffer(body, dtype=layout.dtype)
 
-    def read_rows(self, layout: ShardLayout, start: int, stop: int) -> np.ndarray:
+    def read_rows(self, layout: ShardLayout, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, stop) into `out` (may be a strided view, e.g. one layer's columns of a
+        [T, L*H] buffer) or a new array."""
         row_shape = layout.shape[1:]
-        out = np.empty((stop - start, *row_shape), dtype=layout.dtype.newbyteorder("="))
+        if out is None:
+            out = np.empty((stop - start, *row_shape), dtype=layout.dtype.newbyteorder("="))
         if stop <= start:
             return out
         c0, c1 = start // layout.chunk_rows, (stop - 1) // layout.chunk_rows
@@ -176,9 +193,10 @@ class CacheReader:
     """
 
     def __init__(self, url: str, storage_options: dict | None = None, expect: dict | None = None,
-                 verify: bool = True, fast: bool = True):
+                 verify: bool = True, fast: bool = True, cache_dir: str | None = None):
         self.url = url
         self.storage_options = storage_options
+        self.cache_dir = cache_dir
         self.verify = verify
         self.fast = fast
         root = open_root(url, "r", storage_options)
@@ -195,6 +213,7 @@ class CacheReader:
         self.layers = list(self.manifest["layers"])
         self.dtype = self.manifest["dtype"]
         self._offsets = [self._read_small(root, f"parts/{p}/offsets") for p in self.parts]
+        self._ids = [self._read_small(root, f"parts/{p}/sample_id") for p in self.parts]
         self._state = None  # (pid, root, files, shard reader, layouts) per process
 
     def __getstate__(self):
@@ -213,7 +232,7 @@ class CacheReader:
         pid = os.getpid()
         if self._state is None or self._state[0] != pid:
             root = open_root(self.url, "r", self.storage_options)
-            files = _Files(self.url, self.storage_options)
+            files = _Files(self.url, self.storage_options, self.cache_dir)
             self._state = (pid, root, files, ShardReader(files, self.verify), {})
         return self._state
 
@@ -221,8 +240,11 @@ class CacheReader:
         return np.concatenate([np.diff(o) for o in self._offsets]) if self._offsets else np.zeros(0, np.int64)
 
     def sample_ids(self) -> np.ndarray:
-        _, root, *_ = self._process_state()
-        return np.concatenate([self._read_small(root, f"parts/{p}/sample_id") for p in self.parts])
+        return np.concatenate(self._ids) if self._ids else np.zeros(0, np.uint64)
+
+    def sample_id(self, index: int) -> int:
+        part, _, _ = self.locate(index)
+        return int(self._ids[part][index - int(self.part_start[part])])
 
     def locate(self, index: int) -> tuple[int, int, int]:
         if not 0 <= index < len(self):
@@ -243,13 +265,17 @@ class CacheReader:
             layouts[path] = _parse_layout(path, meta) if self.fast else None
         return layouts[path]
 
-    def read_array(self, part: int, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) of one array of one part."""
+    def read_array(self, part: int, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, stop) of one array of one part (into `out` when given)."""
         _, root, _, shards, _ = self._process_state()
         layout = self._layout(part, name)
         if layout is not None:
-            return shards.read_rows(layout, start, stop)
-        return np.asarray(root[f"parts/{self.parts[part]}/{name}"][start:stop])
+            return shards.read_rows(layout, start, stop, out)
+        values = np.asarray(root[f"parts/{self.parts[part]}/{name}"][start:stop])
+        if out is None:
+            return values
+        out[...] = values
+        return out
 
     def read(self, index: int, layers: list[int] | None = None, fields=("input_ids", "loss_mask", "hidden",
                                                                       "last_hidden")) -> dict:

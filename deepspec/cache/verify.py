@@ -54,7 +54,7 @@ def verify(url: str, storage_options: dict | None = None) -> dict:
                 try:
                     shards.read_rows(layout, start, min(tokens, start + step))
                 except CacheFormatError as e:
-                    raise CacheFormatError(f"{url}: {e}") from None
+                    raise type(e)(f"{url}: {e}") from None
                 chunks += 1
     return {"url": url, "parts": len(reader.parts), "samples": len(reader), "chunks_checked": chunks,
             "ok": True}
@@ -77,3 +77,23 @@ def info(url: str, storage_options: dict | None = None) -> dict:
         "bytes_per_token": bytes_per_token(m["hidden_size"], len(m["layers"]), m["dtype"]),
         "target": m["target"],
     }
+
+
+def disk_usage(url: str, storage_options: dict | None = None) -> tuple[int, int]:
+    """(bytes, files) under a store: what DVC will hash and push."""
+    import os
+
+    from deepspec.cache.store import is_remote, storage_options_for
+
+    if is_remote(url):
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(url, **storage_options_for(url, storage_options))
+        sizes = fs.find(root, detail=True)
+        return sum(int(v["size"]) for v in sizes.values()), len(sizes)
+    total = files = 0
+    for dirpath, _, names in os.walk(url):
+        for n in names:
+            total += os.path.getsize(os.path.join(dirpath, n))
+            files += 1
+    return total, files

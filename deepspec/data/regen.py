@@ -45,7 +45,7 @@ def request_seed(sampling: SamplingConfig, sample_id: str, turn: int) -> int:
 
 
 def build_request(backend: str, model: str, messages: list[dict], sampling: SamplingConfig,
-                  seed: int, disable_thinking: bool = True) -> dict:
+                  seed: int, disable_thinking: bool = True, eos_token_id: int | list[int] | None = None) -> dict:
     """The exact JSON body for /v1/chat/completions on each backend."""
     body: dict = {"model": model, "messages": messages, "max_tokens": sampling.max_tokens,
                   "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": seed, "stream": False}
@@ -58,6 +58,8 @@ def build_request(backend: str, model: str, messages: list[dict], sampling: Samp
         # transformers serve rejects a top-level top_k; it reads sampling knobs from a
         # generation_config JSON string (and ignores temperature unless do_sample is on).
         gen = {"do_sample": sampling.temperature > 0, "max_new_tokens": sampling.max_tokens}
+        if eos_token_id is not None:  # with continuous batching the server does not fill it in itself
+            gen["eos_token_id"] = eos_token_id
         if sampling.temperature > 0:
             gen |= {"temperature": sampling.temperature, "top_p": sampling.top_p}
             if sampling.top_k > 0:
@@ -105,8 +107,9 @@ class Endpoint:
 
 class Client:
     def __init__(self, cfg: RegenConfig, sampling: SamplingConfig, api_key: str | None = None,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, eos_token_id: int | list[int] | None = None):
         self.cfg = cfg
+        self.eos_token_id = eos_token_id
         self.sampling = sampling
         self.sleep = sleep
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -151,7 +154,8 @@ class Client:
         for t, turn in enumerate(x for x in turns if x["role"] == "user"):
             history.append({"role": "user", "content": turn["content"]})
             body = build_request(self.cfg.backend, endpoint.model, history, self.sampling,
-                                 request_seed(self.sampling, row["id"], t), self.cfg.disable_thinking)
+                                 request_seed(self.sampling, row["id"], t), self.cfg.disable_thinking,
+                                 self.eos_token_id)
             content, finish, n = self.complete(endpoint, body)
             history.append({"role": "assistant", "content": content})
             finish_reasons.append(finish)
@@ -217,9 +221,10 @@ def regen_fingerprint(cfg: RegenConfig, sampling: SamplingConfig, target_identit
 
 
 def run_regen(rows: list[dict], endpoints: list[Endpoint], cfg: RegenConfig, sampling: SamplingConfig,
-              journal: Journal, api_key: str | None = None) -> tuple[list[dict], list[dict]]:
+              journal: Journal, api_key: str | None = None,
+              eos_token_id: int | list[int] | None = None) -> tuple[list[dict], list[dict]]:
     """Regenerate every row not in the journal; returns (rows in input order, errors)."""
-    client = Client(cfg, sampling, api_key)
+    client = Client(cfg, sampling, api_key, eos_token_id=eos_token_id)
     todo = [r for r in rows if r["id"] not in journal.done]
     work: queue.Queue = queue.Queue()
     for r in todo:
@@ -282,3 +287,9 @@ def write_outputs(out_dir: Path, ordered: list[dict], errors: list[dict], sampli
 
 def load_rows(split_train: Path) -> list[dict]:
     return list(read_jsonl(split_train))
+
+
+def model_eos(model_dir: Path) -> int | list[int] | None:
+    """End-of-turn id(s) from the model's generation_config.json (what `generate` would stop on)."""
+    path = model_dir / "generation_config.json"
+    return json.loads(path.read_text()).get("eos_token_id") if path.exists() else None

@@ -1,0 +1,188 @@
+"""Speculative decoding with a target and a block draft, and plain decoding for comparison.
+
+Both keep transformers `DynamicCache`s. A round: the draft proposes γ tokens from one block
+anchored at the current token (its context is the target's features of every committed token
+before it); the target scores [current, d1..dγ] in one forward; greedy accepts the longest prefix
+that matches the target's argmax, sampling accepts d_i with probability min(1, p/q) and on the
+first rejection resamples from norm(max(0, p - q)); either way the round adds one token from the
+target (correction or bonus). The target cache is cropped back to the committed tokens.
+Greedy speculative output is token-for-token the plain greedy output.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from deepspec.config import SamplingConfig
+from deepspec.models.capture import capture_layers
+
+
+@dataclass
+class Warp:
+    """Temperature / top-k / top-p, applied identically to target and draft distributions."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @classmethod
+    def from_sampling(cls, s: SamplingConfig, greedy: bool) -> "Warp":
+        return cls() if greedy else cls(s.temperature, s.top_k, s.top_p)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 1e-5
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        if self.greedy:
+            return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        logits = logits / self.temperature
+        if 0 < self.top_k < logits.shape[-1]:
+            kth = logits.topk(self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(-1)
+        if self.top_p < 1.0:
+            sorted_p, idx = probs.sort(-1, descending=True)
+            cut = sorted_p.cumsum(-1) - sorted_p > self.top_p  # keep the smallest set reaching top_p
+            sorted_p = sorted_p.masked_fill(cut, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+    def sample(self, probs: torch.Tensor, gen: torch.Generator | None) -> int:
+        if self.greedy:
+            return int(probs.argmax(-1))
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+
+@dataclass
+class Round:
+    proposed: int
+    accepted: int
+    bonus: bool     # the round also committed the target's own token (not after an accepted stop)
+
+    @property
+    def acceptance_length(self) -> int:
+        return self.accepted + int(self.bonus)
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    seconds: float
+    rounds: list[Round] = field(default_factory=list)
+
+
+
+class SpecDecoder:
+    def __init__(self, target, draft, stop_ids: set[int], device: torch.device | str = "cpu"):
+        self.target = target.eval()
+        self.draft = draft.eval()
+        self.stop_ids = set(stop_ids)
+        self.device = torch.device(device)
+        self.layers = list(draft.config.target_layers)
+
+    # ---- target -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _target(self, ids: list[int], cache: DynamicCache, capture: bool):
+        x = torch.tensor([ids], device=self.device)
+        if not capture:
+            return self.target(input_ids=x, past_key_values=cache, use_cache=True).logits[0], None
+        with capture_layers(self.target, self.layers) as store:
+            logits = self.target(input_ids=x, past_key_values=cache, use_cache=True).logits[0]
+        feats = torch.cat([store[i][0] for i in self.layers], dim=-1)
+        return logits, feats
+
+    # ---- plain decoding ------------------------------------------------------------------------
+    @torch.no_grad()
+    def plain(self, prompt: list[int], max_new: int, warp: Warp, seed: int = 0) -> Result:
+        gen = torch.Generator().manual_seed(seed)
+        t0 = time.perf_counter()
+        cache = DynamicCache()
+        logits, _ = self._target(prompt, cache, capture=False)
+        out: list[int] = []
+        while True:
+            tok = warp.sample(warp.probs(logits[-1]), gen)
+            out.append(tok)
+            if tok in self.stop_ids or len(out) >= max_new:
+                break
+            logits, _ = self._target([tok], cache, capture=False)
+        return Result(out, time.perf_counter() - t0)
+
+    # ---- speculative decoding ------------------------------------------------------------------
+    @torch.no_grad()
+    def _propose(self, dcache: DynamicCache, ctx_new: torch.Tensor, ctx_pos: torch.Tensor, cur: int, cur_pos: int,
+                 warp: Warp, gen) -> tuple[list[int], torch.Tensor]:
+        d = self.draft
+        dtype = d.fc.weight.dtype
+        ctx = d.context(ctx_new.to(dtype))[None]
+        h = d.block_states(torch.tensor([[cur]], device=self.device), torch.tensor([[cur_pos]], device=self.device),
+                           ctx, ctx_pos[None], mask=None, cache=dcache)[0, 0]     # [γ, H]
+        base = d.lm_head(h).float()
+        tokens, qs, prev = [], [], cur
+        for k in range(d.config.block_size):  # sequential only through the Markov head's previous token
+            bias = d.markov_bias(torch.tensor([prev], device=self.device))
+            q = warp.probs(base[k] + (bias[0].float() if bias is not None else 0.0))
+            tok = warp.sample(q, gen)
+            tokens.append(tok)
+            qs.append(q)
+            prev = tok
+        return tokens, torch.stack(qs)
+
+    @torch.no_grad()
+    def speculative(self, prompt: list[int], max_new: int, warp: Warp, seed: int = 0) -> Result:
+        gen = torch.Generator().manual_seed(seed)
+        t0 = time.perf_counter()
+        tcache, dcache = DynamicCache(), DynamicCache()
+        logits, feats = self._target(prompt, tcache, capture=True)
+        cur = warp.sample(warp.probs(logits[-1]), gen)
+        out = [cur]
+        ctx_new = feats
+        ctx_pos = torch.arange(len(prompt), device=self.device)
+        result = Result(out, 0.0)
+        while cur not in self.stop_ids and len(out) < max_new:
+            cur_pos = len(prompt) + len(out) - 1
+            drafts, q = self._propose(dcache, ctx_new, ctx_pos, cur, cur_pos, warp, gen)
+            drafts = drafts[:max_new - len(out)]  # never verify past the token budget
+            logits, feats = self._target([cur, *drafts], tcache, capture=True)
+            p = warp.probs(logits)                                                  # row j predicts token j+1
+            accepted = 0
+            for i, tok in enumerate(drafts):
+                if warp.greedy:
+                    ok = int(p[i].argmax()) == tok
+                else:
+                    ratio = (p[i, tok] / q[i, tok].clamp_min(1e-12)).clamp(max=1.0)
+                    ok = bool(torch.rand((), generator=gen) < ratio)
+                if not ok:
+                    break
+                accepted += 1
+                if tok in self.stop_ids:
+                    break
+            kept = drafts[:accepted]
+            if any(t in self.stop_ids for t in kept):
+                nxt = None
+            elif accepted < len(drafts):  # rejected: the target's correction
+                if warp.greedy:
+                    nxt = int(p[accepted].argmax())
+                else:
+                    residual = (p[accepted] - q[accepted]).clamp_min(0)
+                    nxt = warp.sample(residual / residual.sum() if residual.sum() > 1e-12 else p[accepted], gen)
+            else:  # every draft accepted: the bonus token
+                nxt = warp.sample(p[len(drafts)], gen)
+            out.extend(kept)
+            committed = len(prompt) + len(out)          # cur and the accepted drafts now have features
+            tcache.crop(committed - tcache.get_seq_length())  # negative: drop the rejected drafts' entries
+            ctx_new = feats[:accepted + 1]
+            ctx_pos = torch.arange(cur_pos, cur_pos + accepted + 1, device=self.device)
+            bonus = nxt is not None and len(out) < max_new
+            result.rounds.append(Round(len(drafts), accepted, bonus))
+            if not bonus:
+                break
+            out.append(nxt)
+            cur = nxt
+        result.tokens = out[:max_new]
+        result.seconds = time.perf_counter() - t0
+        return result

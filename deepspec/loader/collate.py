@@ -1,0 +1,30 @@
+"""Right-padding collator: a list of samples -> one batch of padded tensors."""
+from __future__ import annotations
+
+import torch
+
+
+def collate(samples: list[dict]) -> dict:
+    """input_ids stay int32 on the host (the prefetcher widens them on the device)."""
+    lengths = torch.tensor([len(s["input_ids"]) for s in samples], dtype=torch.int64)
+    B, T = len(samples), int(lengths.max())
+    batch: dict = {
+        "lengths": lengths,
+        "attention_mask": torch.arange(T)[None, :] < lengths[:, None],
+        # uint64 ids do not fit an int64 tensor: keep them as Python ints
+        "sample_id": [s["sample_id"] for s in samples] if "sample_id" in samples[0] else None,
+    }
+    for key, dtype in (("input_ids", torch.int32), ("loss_mask", torch.uint8)):
+        if key in samples[0]:
+            out = torch.zeros((B, T), dtype=dtype)
+            for i, s in enumerate(samples):
+                out[i, :len(s[key])] = s[key]
+            batch[key] = out
+    for key in ("hidden", "last_hidden"):
+        if key in samples[0]:
+            width = samples[0][key].shape[-1]
+            out = torch.zeros((B, T, width), dtype=samples[0][key].dtype)
+            for i, s in enumerate(samples):
+                out[i, :len(s[key])] = s[key]
+            batch[key] = out
+    return {k: v for k, v in batch.items() if v is not None}

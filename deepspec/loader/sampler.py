@@ -1,0 +1,113 @@
+"""A deterministic, distributed, resumable batch sampler.
+
+Order is a pure function of (seed, epoch): a permutation of all samples. Batches are either a
+fixed number of samples or, with `token_budget`, as many samples as fit in (batch size x longest
+length) <= budget; `group_by_length` sorts each window of 64 batches by length first so batches
+waste less padding. Every rank gets every `world_size`-th batch of the same global sequence:
+disjoint, and together covering every batch (the global batch count is cut to a multiple of the
+world size so all ranks take the same number of steps). `state_dict()` records how many batches
+this epoch has already produced, so a resumed run continues exactly where it stopped.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+
+class ResumableBatchSampler(Sampler[list[int]]):
+    def __init__(self, lengths, batch_size: int = 1, token_budget: int | None = None, seed: int = 0,
+                 rank: int = 0, world_size: int = 1, shuffle: bool = True, group_by_length: bool = False,
+                 drop_last: bool = False):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} not in [0, {world_size})")
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.batch_size = batch_size
+        self.token_budget = token_budget
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.shuffle = shuffle
+        self.group_by_length = group_by_length
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.position = 0  # batches already yielded (by this rank) in `epoch`
+
+    # ---- the plan --------------------------------------------------------------------------------
+    def _order(self, epoch: int) -> np.ndarray:
+        n = len(self.lengths)
+        if not self.shuffle:
+            return np.arange(n)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(n, generator=g).numpy()
+
+    def global_batches(self, epoch: int) -> list[list[int]]:
+        order = self._order(epoch)
+        batches: list[list[int]] = []
+        if self.token_budget is None:
+            for i in range(0, len(order), self.batch_size):
+                batch = order[i:i + self.batch_size].tolist()
+                if len(batch) == self.batch_size or not self.drop_last:
+                    batches.append(batch)
+        else:
+            window = max(1, self.batch_size) * 64
+            for w in range(0, len(order), window):
+                chunk = order[w:w + window]
+                if self.group_by_length:
+                    chunk = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
+                current: list[int] = []
+                longest = 0
+                for i in chunk.tolist():
+                    longest_if = max(longest, int(self.lengths[i]))
+                    if current and longest_if * (len(current) + 1) > self.token_budget:
+                        batches.append(current)
+                        current, longest_if = [], int(self.lengths[i])
+                    current.append(i)
+                    longest = longest_if
+                if current:
+                    batches.append(current)
+            if self.group_by_length:  # keep the length grouping, not the length order
+                g = torch.Generator().manual_seed(self.seed * 7_919 + epoch)
+                batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+        usable = len(batches) - len(batches) % self.world_size
+        return batches[:usable]
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        return self.global_batches(epoch)[self.rank::self.world_size]
+
+    def __len__(self) -> int:
+        return len(self.batches(self.epoch))
+
+    def __iter__(self):
+        mine = self.batches(self.epoch)
+        while self.position < len(mine):
+            batch = mine[self.position]
+            self.position += 1
+            yield batch
+        self.epoch += 1
+        self.position = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.position = epoch, 0
+
+    # ---- resume ----------------------------------------------------------------------------------
+    def state_dict(self, epoch: int | None = None, position: int | None = None) -> dict:
+        """With a DataLoader the sampler runs ahead of training (prefetch): the trainer passes the
+        epoch and the number of batches it has actually consumed."""
+        return {"epoch": self.epoch if epoch is None else epoch,
+                "position": self.position if position is None else position, "seed": self.seed,
+                "world_size": self.world_size, "num_samples": int(len(self.lengths)),
+                "batch_size": self.batch_size, "token_budget": self.token_budget}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["world_size"] != self.world_size:
+            raise ValueError(
+                f"sampler state was saved with world_size {state['world_size']}, this run has "
+                f"{self.world_size}: rank slices would differ, so the position cannot be mapped exactly "
+                "(restart the epoch with `position=0`, or resume with the original world size)")
+        for key in ("seed", "num_samples", "batch_size", "token_budget"):
+            mine = self.state_dict()[key]
+            if state.get(key, mine) != mine:
+                raise ValueError(f"sampler state has {key}={state[key]!r}, this run has {mine!r}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -1,0 +1,225 @@
+"""DSpark / DFlash draft models: block drafting from the target's hidden states.
+
+The draft fuses the target's features at `target_layers` (concatenated per token) through a linear
+projection and an RMSNorm into one context vector per position. A block of `block_size` slots
+starts at an anchor position a: slot 0 holds the anchor token, the other slots a learned mask
+embedding; slot k sits at position a+k and predicts token a+k+1. Each draft layer attends, from the
+block, to the context keys strictly before the anchor and to its whole block (both directions);
+context and block keys share the layer's projections. DSpark adds a low-rank Markov head (a bias
+on the logits from the previous token) and a confidence head (predicts each slot's acceptance
+probability); DFlash is the same model without both heads.
+
+Built from transformers' Qwen3 blocks (attention projections + q/k norms, MLP, RMSNorm, RoPE);
+attention runs through SDPA with an explicit boolean mask. Embeddings and lm_head are copies of
+the target's and stay frozen. One deliberate difference from the reference: the mask slots use a
+learned embedding vector instead of an unused (untrained) row of the target's vocabulary, so any
+target works without a reserved token id.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (Qwen3Attention, Qwen3MLP, Qwen3RMSNorm,
+                                                      Qwen3RotaryEmbedding, apply_rotary_pos_emb, rotate_half)
+
+DRAFT_FORMAT_VERSION = 1
+
+
+@dataclass
+class DraftConfig:
+    algorithm: str                  # "dspark" | "dflash"
+    target_layers: list[int]
+    target_hidden_size: int
+    vocab_size: int
+    block_size: int = 4
+    num_layers: int = 1
+    hidden_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 384
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    markov_rank: int = 64           # 0 disables the Markov head (dflash)
+    confidence: bool = True         # False disables the confidence head (dflash)
+    target: dict = field(default_factory=dict)  # identity of the target the draft was trained on
+    format_version: int = DRAFT_FORMAT_VERSION
+
+    @classmethod
+    def for_target(cls, algorithm: str, target_config, target_layers: list[int], block_size: int,
+                   num_layers: int, markov_rank: int, identity: dict) -> "DraftConfig":
+        """Draft layers take the target's own dimensions (as the reference does)."""
+        tc = target_config
+        dspark = algorithm == "dspark"
+        return cls(algorithm=algorithm, target_layers=list(target_layers), target_hidden_size=tc.hidden_size,
+                   vocab_size=tc.vocab_size, block_size=block_size, num_layers=num_layers,
+                   hidden_size=tc.hidden_size, num_heads=tc.num_attention_heads,
+                   num_kv_heads=tc.num_key_value_heads,
+                   head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+                   intermediate_size=tc.intermediate_size, rms_norm_eps=tc.rms_norm_eps,
+                   rope_theta=float(getattr(tc, "rope_theta", None) or
+                                    (getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+                   markov_rank=markov_rank if dspark else 0, confidence=dspark, target=identity)
+
+    def qwen3(self) -> Qwen3Config:
+        return Qwen3Config(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+                           num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+                           head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+                           max_position_embeddings=self.max_position_embeddings, attention_bias=False)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, index: int):
+        super().__init__()
+        self.self_attn = Qwen3Attention(config, index)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.index = index
+
+    def _kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.self_attn
+        shape = (*x.shape[:-1], -1, a.head_dim)
+        k = a.k_norm(a.k_proj(x).view(shape)).transpose(1, 2)
+        v = a.v_proj(x).view(shape).transpose(1, 2)
+        k = k * cos.unsqueeze(1) + rotate_half(k) * sin.unsqueeze(1)
+        return k, v
+
+    def forward(self, h: torch.Tensor, ctx: torch.Tensor, rope_ctx, rope_blk, mask: torch.Tensor | None,
+                cache=None) -> torch.Tensor:
+        """h: [B, Q, H] block states; ctx: [B, S, H] context features (new ones only when cached)."""
+        a = self.self_attn
+        x = self.input_layernorm(h)
+        shape = (*x.shape[:-1], -1, a.head_dim)
+        q = a.q_norm(a.q_proj(x).view(shape)).transpose(1, 2)
+        k_blk = a.k_norm(a.k_proj(x).view(shape)).transpose(1, 2)
+        v_blk = a.v_proj(x).view(shape).transpose(1, 2)
+        q, k_blk = apply_rotary_pos_emb(q, k_blk, *rope_blk)
+        k_ctx, v_ctx = self._kv(ctx, *rope_ctx)
+        if cache is not None:  # context keys only ever grow; block keys are never stored
+            k_ctx, v_ctx = cache.update(k_ctx, v_ctx, self.index)
+        k = torch.cat([k_ctx, k_blk], dim=2)
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scaling,
+                                             enable_gqa=a.num_key_value_groups > 1)
+        h = h + a.o_proj(out.transpose(1, 2).reshape(*h.shape[:-1], -1))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DraftModel(nn.Module):
+    FROZEN = ("embed_tokens.weight", "lm_head.weight")
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.config = config
+        qc = config.qwen3()
+        H, V = config.hidden_size, config.vocab_size
+        self.embed_tokens = nn.Embedding(V, H)
+        self.lm_head = nn.Linear(H, V, bias=False)
+        self.fc = nn.Linear(config.target_hidden_size * len(config.target_layers), H, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(H))
+        self.layers = nn.ModuleList(DraftLayer(qc, i) for i in range(config.num_layers))
+        self.norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
+        self.rotary = Qwen3RotaryEmbedding(qc)
+        r = config.markov_rank
+        self.markov_in = nn.Embedding(V, r) if r > 0 else None
+        self.markov_out = nn.Linear(r, V, bias=False) if r > 0 else None
+        self.confidence_head = nn.Linear(H + r, 1) if config.confidence else None
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for name, p in self.named_parameters():
+            if name in self.FROZEN or p.ndim < 2:
+                continue
+            nn.init.normal_(p, std=0.02)
+        nn.init.normal_(self.mask_embedding, std=0.02)
+        if self.markov_out is not None:
+            nn.init.zeros_(self.markov_out.weight)  # start as "no bias": the Markov head learns a correction
+
+    def copy_target_embeddings(self, target) -> None:
+        """Copy the target's input embeddings and lm_head, then freeze them."""
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+            self.lm_head.weight.copy_(target.get_output_embeddings().weight)
+        self.freeze_embeddings()
+
+    def freeze_embeddings(self) -> None:
+        self.embed_tokens.weight.requires_grad_(False)
+        self.lm_head.weight.requires_grad_(False)
+
+    # ---- the shared forward ---------------------------------------------------------------------
+    def context(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[.., L*H_target] concatenated target features -> [.., H] fused context."""
+        return self.hidden_norm(self.fc(hidden))
+
+    def block_states(self, anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, ctx: torch.Tensor,
+                     ctx_pos: torch.Tensor, mask: torch.Tensor | None, cache=None) -> torch.Tensor:
+        """anchor_tokens/anchor_pos: [B, N]; ctx: [B, S, H]; ctx_pos: [B, S] -> [B, N, γ, H]."""
+        B, N = anchor_tokens.shape
+        g = self.config.block_size
+        slots = self.mask_embedding.to(ctx.dtype).expand(B, N, g, -1).clone()
+        slots[:, :, 0] = self.embed_tokens(anchor_tokens).to(ctx.dtype)
+        h = slots.reshape(B, N * g, -1)
+        blk_pos = (anchor_pos[:, :, None] + torch.arange(g, device=ctx.device)).reshape(B, N * g)
+        rope_blk = self.rotary(h, blk_pos)
+        rope_ctx = self.rotary(ctx, ctx_pos)
+        for layer in self.layers:
+            h = layer(h, ctx, rope_ctx, rope_blk, mask, cache)
+        return self.norm(h).view(B, N, g, -1)
+
+    def markov_bias(self, prev: torch.Tensor) -> torch.Tensor | None:
+        return None if self.markov_in is None else self.markov_out(self.markov_in(prev))
+
+    def confidence(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+        if self.confidence_head is None:
+            return None
+        extra = [self.markov_in(prev).to(h.dtype)] if self.markov_in is not None else []
+        return self.confidence_head(torch.cat([h, *extra], dim=-1)).squeeze(-1).float()
+
+    def logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        out = self.lm_head(h).float()
+        bias = self.markov_bias(prev)
+        return out if bias is None else out + bias.float()
+
+    def forward(self, batch: dict, anchors, ce_w: float, l1_w: float, conf_w: float, decay_gamma: float,
+                norm: float | None = None):
+        """Training forward (the loss): DDP needs the loss computed inside forward()."""
+        from deepspec.train.loss import draft_loss
+
+        return draft_loss(self, batch, anchors, ce_w, l1_w, conf_w, decay_gamma, norm)
+
+    # ---- save / load -----------------------------------------------------------------------------
+    def save(self, out_dir: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(asdict(self.config), indent=2, sort_keys=True) + "\n")
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()
+                   if not k.startswith("rotary.")}
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "deepspec-draft"})
+
+    @classmethod
+    def load(cls, path: str | Path, device: str | torch.device = "cpu") -> "DraftModel":
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        config = DraftConfig(**json.loads((path / "config.json").read_text()))
+        model = cls(config)
+        state = load_file(str(path / "model.safetensors"), device="cpu")
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.startswith("rotary.")]
+        if missing or unexpected:
+            raise ValueError(f"{path}: draft weights do not match its config (missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]})")
+        model.freeze_embeddings()
+        return model.to(device)

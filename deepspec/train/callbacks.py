@@ -1,0 +1,91 @@
+"""Trainer callbacks: each hook receives the trainer; none of them changes the optimisation."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class Callback:
+    def on_train_begin(self, trainer) -> None: ...
+    def on_step_end(self, trainer, metrics: dict) -> None: ...
+    def on_checkpoint(self, trainer, path: Path) -> None: ...
+    def on_train_end(self, trainer) -> None: ...
+
+
+class ProgressBar(Callback):
+    def on_train_begin(self, trainer) -> None:
+        self.bar = tqdm(total=trainer.cfg.steps, initial=trainer.state.step, desc="train", unit="step",
+                        dynamic_ncols=True, disable=trainer.rank != 0)
+        self.t0, self.tokens0 = time.time(), trainer.state.tokens
+
+    def on_step_end(self, trainer, metrics: dict) -> None:
+        rate = (trainer.state.tokens - self.tokens0) / max(time.time() - self.t0, 1e-6)
+        self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{metrics['lr']:.2e}", tok_s=f"{rate:.0f}")
+        self.bar.update(1)
+
+    def on_train_end(self, trainer) -> None:
+        self.bar.close()
+
+
+class DvcLiveMetrics(Callback):
+    """Per-step metrics and plots through dvclive (rank 0 only). On resume the history written
+    before the crash is kept and logging continues at the restored step."""
+
+    KEYS = ("loss", "ce", "l1", "conf", "tau_greedy", "tau_prob", "lr")
+
+    def __init__(self, directory: str | Path, every: int = 1):
+        self.directory = Path(directory)
+        self.every = every
+        self.live = None
+
+    def on_train_begin(self, trainer) -> None:
+        if trainer.rank != 0:
+            return
+        from dvclive import Live
+
+        resume = trainer.state.step > 0
+        self.live = Live(str(self.directory), resume=resume, save_dvc_exp=False, dvcyaml=None,
+                         report=None)
+        if resume:
+            self._truncate_history(trainer.state.step)
+
+    def _truncate_history(self, step: int) -> None:
+        """Drop rows logged after the restored checkpoint, so the curve has each step once."""
+        for tsv in (self.directory / "plots" / "metrics").rglob("*.tsv"):
+            lines = tsv.read_text().splitlines()
+            col = lines[0].split("\t").index("step")
+            keep = [lines[0]] + [ln for ln in lines[1:] if int(ln.split("\t")[col]) <= step]
+            tsv.write_text("\n".join(keep) + "\n")
+
+    def on_step_end(self, trainer, metrics: dict) -> None:
+        if self.live is None or trainer.state.step % self.every:
+            return
+        self.live.step = trainer.state.step  # 1-based: the optimizer step just taken
+        for key in self.KEYS:
+            if key in metrics:
+                self.live.log_metric(f"train/{key}", metrics[key])
+        self.live.next_step()
+
+    def on_train_end(self, trainer) -> None:
+        if self.live is None:
+            return
+        final = trainer.final_metrics
+        for key, value in final.items():
+            self.live.summary[key] = value
+        self.live.make_summary()
+        self.live.end()
+
+
+class JsonMetrics(Callback):
+    """Final metrics as a flat JSON file (what `dvc exp show` lists next to cache size and τ)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def on_train_end(self, trainer) -> None:
+        if trainer.rank == 0:
+            from deepspec.io import write_json
+
+            write_json(self.path, trainer.final_metrics)

