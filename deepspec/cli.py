@@ -31,7 +31,18 @@ def main(argv: list[str] | None = None) -> int:
     est.add_argument("--layers", type=_parse_layers, required=True, help="e.g. 1,9,17,25,33")
     est.add_argument("--tokens", type=float, required=True, help="total tokens (e.g. 1.25e9)")
     est.add_argument("--dtype", choices=["bfloat16", "fp8"], default="bfloat16")
+    serve = sub.add_parser("serve", help="launch inference servers for the regen stage (GPU)")
+    serve_cmds = serve.add_subparsers(dest="cmd", required=True)
+    sg = serve_cmds.add_parser("sglang", help="one sglang server per GPU, and the sglang router in front")
+    sg.add_argument("--model", default="data/target", help="model directory or hub id")
+    sg.add_argument("--gpus", type=int, required=True, help="number of servers (one per GPU)")
+    sg.add_argument("--no-router", action="store_true", help="do not start the sglang router")
+    sg.add_argument("--print-only", action="store_true", help="print the commands instead of running them")
+    sg.add_argument("--log-dir", default="data/regen/logs")
     args = parser.parse_args(argv)
+
+    if args.group == "serve":
+        return _serve_sglang(args)
 
     from deepspec.cache import estimate, verify
 
@@ -46,6 +57,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(out, indent=2))
+    return 0
+
+
+def _serve_sglang(args) -> int:
+    from pathlib import Path
+
+    from deepspec.data.servers import ServerError, launch_sglang, sglang_commands
+
+    if args.print_only:
+        plan = sglang_commands(args.model, args.gpus)
+        for s in plan["servers"]:
+            env = " ".join(f"{k}={v}" for k, v in s["env"].items())
+            print(f"{env} {' '.join(s['cmd'])} &")
+        if not args.no_router:
+            print(" ".join(plan["router"]["cmd"]))
+        return 0
+    try:
+        endpoints, started = launch_sglang(args.model, args.gpus, Path(args.log_dir), use_router=not args.no_router)
+    except ServerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({"regen.urls": [e.url for e in endpoints]}), flush=True)
+    try:
+        started[0].proc.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for s in reversed(started):
+            s.stop()
     return 0
 
 

@@ -94,6 +94,7 @@ class RegenConfig:
 
 @dataclass
 class CacheConfig:
+    launcher: str = "python"          # the stage's command prefix, e.g. "torchrun --nproc-per-node 8"
     url: str = "data/cache.zarr"
     dtype: Literal["bfloat16", "fp8"] = "bfloat16"
     codec: Literal["none", "blosc-zstd", "blosc-lz4"] = "none"
@@ -108,6 +109,7 @@ class CacheConfig:
 
 @dataclass
 class TrainConfig:
+    launcher: str = "python"
     algorithm: Literal["dspark", "dflash"] = "dspark"
     layers: list[int] | None = None
     block_size: int = _f(4, ge=2)

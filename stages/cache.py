@@ -49,6 +49,9 @@ def main(params):
                "bytes_per_token": round(size / max(tokens, 1), 1), "layers": len(manifest["layers"])}
     write_json("data/cache/metrics.json", metrics)
     write_json("data/cache/report.json", report)
+    # what later stages depend on: it changes exactly when the store's content does, and it exists
+    # for a store on S3 too (DVC 3 has no external outputs)
+    write_json("data/cache/manifest.json", dict(manifest, url=cfg.url))
     print(json.dumps(metrics))
 
 

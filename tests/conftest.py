@@ -117,8 +117,8 @@ def trained_target(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("trained_target")
     out = root / "target"
-    prepare_target(TargetConfig(tiny=TinyTargetConfig(**SMALL_TINY)), [0, 1, 2],
-                   write_split(root / "train.jsonl"), out)
+    rows = [{"id": f"{i:016x}", "conversations": c} for i, c in enumerate(SAMPLE_CONVERSATIONS)]
+    prepare_target(TargetConfig(tiny=TinyTargetConfig(**SMALL_TINY)), [0, 1, 2], lambda: rows, out)
     return out
 
 
@@ -178,3 +178,20 @@ def moto(tmp_path_factory):
     server = MotoServer(tmp_path_factory.mktemp("moto"))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def small_cache(tmp_path_factory, trained_target) -> Path:
+    """A cache.zarr (layers -1, 0, 2) of the trained small target over SAMPLE_CONVERSATIONS."""
+    import json
+
+    from deepspec.cache.build import build_cache
+    from deepspec.config import CacheConfig
+
+    root = tmp_path_factory.mktemp("small_cache")
+    regen = root / "regen.jsonl"
+    with open(regen, "w") as f:
+        for i, conv in enumerate(SAMPLE_CONVERSATIONS):
+            f.write(json.dumps({"id": f"{i + 1:016x}", "conversations": conv}) + "\n")
+    build_cache(CacheConfig(url=str(root / "cache.zarr"), part_tokens=400), [-1, 0, 2], regen, trained_target)
+    return root / "cache.zarr"

@@ -125,18 +125,20 @@ def launch_transformers_serve(model_dir: str | Path, port: int = 0, continuous_b
 
 
 def sglang_commands(model_path: str, num_servers: int, base_port: int = 30000, router_port: int = 30080,
-                    host: str = "127.0.0.1", extra_args: tuple[str, ...] = ()) -> dict:
-    """The commands a GPU user runs: one sglang server per GPU, and the sglang router in front."""
+                    host: str = "127.0.0.1", extra_args: tuple[str, ...] = (),
+                    python: str = os.environ.get("SGLANG_PYTHON", "python")) -> dict:
+    """The commands a GPU user runs: one sglang server per GPU, and the sglang router in front.
+    sglang lives in its own (GPU) environment: `python` is that environment's interpreter."""
     servers = []
     for i in range(num_servers):
         servers.append({
             "env": {"CUDA_VISIBLE_DEVICES": str(i)},
-            "cmd": [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+            "cmd": [python, "-m", "sglang.launch_server", "--model-path", model_path,
                     "--host", host, "--port", str(base_port + i), "--dtype", "bfloat16",
                     "--mem-fraction-static", "0.9", *extra_args],
             "url": f"http://{host}:{base_port + i}",
         })
-    router = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(router_port),
+    router = [python, "-m", "sglang_router.launch_router", "--host", host, "--port", str(router_port),
               "--worker-urls", *[s["url"] for s in servers]]
     return {"servers": servers, "router": {"cmd": router, "url": f"http://{host}:{router_port}"}}
 

@@ -77,6 +77,15 @@ def split_rows(cfg: SplitConfig) -> SplitResult:
     return SplitResult(train, evals, rejected, read)
 
 
+def builtin_train_rows(cfg: SplitConfig) -> list[dict]:
+    """The train side of the packaged corpus under this split's seed and test fraction: what the
+    builtin target learns from, whatever `split.source` the pipeline later reads (so growing the data
+    lake never retrains the target, and the eval rows stay unseen)."""
+    from dataclasses import replace
+
+    return split_rows(replace(cfg, source="builtin:chat")).train
+
+
 def run_split(cfg: SplitConfig, out_dir: str | Path = "data/split") -> dict:
     """Read the whole source first, then write every output atomically: a bad source leaves none."""
     result = split_rows(cfg)

@@ -90,9 +90,9 @@ class SpecDecoder:
     def _target(self, ids: list[int], cache: DynamicCache, capture: bool):
         x = torch.tensor([ids], device=self.device)
         if not capture:
-            return self.target(input_ids=x, past_key_values=cache, use_cache=True).logits[0], None
+            return self.target(input_ids=x, cache=cache, use_cache=True).logits[0], None
         with capture_layers(self.target, self.layers) as store:
-            logits = self.target(input_ids=x, past_key_values=cache, use_cache=True).logits[0]
+            logits = self.target(input_ids=x, cache=cache, use_cache=True).logits[0]
         feats = torch.cat([store[i][0] for i in self.layers], dim=-1)
         return logits, feats
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 from deepspec.config import ConfigError, TargetConfig
 from deepspec.io import fingerprint, sha256_file, write_json
@@ -165,8 +166,9 @@ def download_hf(repo: str, dst: Path, layers: list[int]) -> None:
     _copy_model_dir(Path(path), dst)
 
 
-def prepare_target(cfg: TargetConfig, layers: list[int], split_train: Path, out_dir: Path) -> dict:
-    """Produce out_dir as a standard HF model dir plus identity.json and metrics.json."""
+def prepare_target(cfg: TargetConfig, layers: list[int], corpus: Callable[[], list[dict]], out_dir: Path) -> dict:
+    """Produce out_dir as a standard HF model dir plus identity.json and metrics.json.
+    `corpus()` gives the training conversations of `builtin:tiny` (called only for that source)."""
     kind, arg = parse_source(cfg.source)
     if kind == "tiny":
         check_layers(layers, cfg.tiny.num_layers)
@@ -183,10 +185,9 @@ def prepare_target(cfg: TargetConfig, layers: list[int], split_train: Path, out_
     out_dir.mkdir(parents=True)
     metrics: dict = {"source": cfg.source}
     if kind == "tiny":
-        from deepspec.io import read_jsonl
         from deepspec.models.tiny import train_tiny
 
-        metrics |= train_tiny(cfg.tiny, list(read_jsonl(split_train)), cfg.seed, out_dir)
+        metrics |= train_tiny(cfg.tiny, corpus(), cfg.seed, out_dir)
     elif kind == "smollm2":
         export_smollm2(out_dir)
     elif kind == "hf":

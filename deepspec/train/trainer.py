@@ -65,7 +65,8 @@ class Trainer:
         self.rank, self.world_size = rank, world_size
         self.device = device or torch.device("cpu")
         self.state = TrainState()
-        self.final_metrics: dict = {}
+        self.last_metrics: dict = {}      # of the latest step (restored on resume, so a finished run
+        self.final_metrics: dict = {}     # that is resumed reports the same final numbers)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -92,6 +93,7 @@ class Trainer:
         self.state = TrainState(step=meta["step"], epoch=rank_state["epoch"], position=rank_state["position"],
                                 tokens=rank_state["tokens"])
         _set_rng_state(meta["rng"])
+        self.last_metrics = meta.get("metrics", {})
         log.info("resumed from %s (step %d, epoch %d, batch %d)", path, self.state.step, self.state.epoch,
                  self.state.position)
         return True
@@ -107,7 +109,7 @@ class Trainer:
                 "ranks": {str(r): {k: v for k, v in s.items() if k != "sampler"} for r, s in enumerate(ranks)},
                 "sampler": {str(r): s["sampler"] for r, s in enumerate(ranks)},
                 "scheduler": {"name": self.cfg.schedule, "step": self.state.step},
-                "optimizer": opt_meta, "rng": _rng_state()}
+                "optimizer": opt_meta, "rng": _rng_state(), "metrics": self.last_metrics}
         state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("rotary.")}
         path = save_checkpoint(self.state_dir, self.state.step, state, opt_tensors, meta, self.cfg.keep_checkpoints)
         for cb in self.callbacks:
@@ -153,7 +155,6 @@ class Trainer:
         batches = self._batches()
         self.module.train()
         t0 = time.time()
-        metrics: dict = {}
         while self.state.step < cfg.steps:
             step = self.state.step
             lr = cfg.lr * lr_factor(step, cfg)
@@ -187,12 +188,14 @@ class Trainer:
             if self.world_size > 1:
                 agg = self._mean_over_ranks(agg)
             metrics = dict(agg, lr=lr, grad_norm=grad_norm, step=self.state.step)
+            self.last_metrics = metrics
             for cb in self.callbacks:
                 cb.on_step_end(self, metrics)
             if self.state.step % cfg.checkpoint_every == 0 or self.state.step == cfg.steps:
                 self.save()
-        self.final_metrics = {"final_loss": round(metrics.get("loss", float("nan")), 5),
-                              "final_tau_greedy": round(metrics.get("tau_greedy", float("nan")), 4),
+        last = self.last_metrics
+        self.final_metrics = {"final_loss": round(last.get("loss", float("nan")), 5),
+                              "final_tau_greedy": round(last.get("tau_greedy", float("nan")), 4),
                               "steps": self.state.step, "tokens": self.state.tokens * self.world_size,
                               "wall_s": round(time.time() - t0, 1)}
         for cb in self.callbacks:

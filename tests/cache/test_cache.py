@@ -270,3 +270,26 @@ def test_torchrun_two_processes_equal_one_process(tmp_path, trained_target):
     assert ranks == {0, 1}
     assert array_hashes(str(one / "data/cache.zarr")) == array_hashes(str(two / "data/cache.zarr"))
     assert len(a) == len(b) == len(regen_rows())
+
+
+def test_cache_stage_writes_to_s3_and_refuses_a_foreign_store(tmp_path, trained_target, moto):
+    bucket = moto.bucket("cache-stage")
+    work = workdir(tmp_path, trained_target, regen_rows(20))
+    url = f"s3://{bucket}/runs/cache.zarr"
+    cfg = CacheConfig(url=url, part_tokens=200, storage_options=moto.storage_options)
+    report = build_cache(cfg, LAYERS, work / "data/regen/train.jsonl", work / "data/target")
+    assert report["manifest"]["num_samples"] == 20
+    assert verify(url, moto.storage_options)["ok"]
+    local = workdir(tmp_path / "local", trained_target, regen_rows(20))
+    build(local, part_tokens=200)
+    a, b = CacheReader(url, moto.storage_options), CacheReader(str(local / "data/cache.zarr"))
+    for i in range(len(b)):
+        sa, sb = a.read(i), b.read(i)
+        assert all(np.array_equal(np.asarray(sa[k][0] if isinstance(sa[k], tuple) else sa[k]),
+                                  np.asarray(sb[k][0] if isinstance(sb[k], tuple) else sb[k])) for k in sb)
+    objects = moto.client().list_objects_v2(Bucket=bucket, Prefix="runs/cache.zarr/")["Contents"]
+    assert any(o["Key"].endswith("hidden/0/c/0/0") for o in objects)
+    # a different cache config on the same shared store is refused, naming the field
+    with pytest.raises(CacheFormatError, match=r"layers: store has \[-1, 0, 2\], expected \[0\]"):
+        build_cache(cfg, [0], work / "data/regen/train.jsonl", work / "data/target")
+    assert CacheReader(url, moto.storage_options).layers == LAYERS  # nothing was pruned

@@ -216,9 +216,15 @@ def test_server_killed_mid_run_then_rerun_completes(trained_target, tmp_path):
     server = launch_transformers_serve(trained_target, continuous_batching=False, timeout=180)
     ep = Endpoint(server.url, server.model)
     cfg = RegenConfig(backend="transformers", concurrency=1, max_retries=1, backoff_s=0.05, timeout_s=20)
-    data = rows(16)
+    data = rows(len(SAMPLE_CONVERSATIONS))
     journal = Journal(tmp_path / "j", "fp")
-    killer = threading.Thread(target=lambda: (time.sleep(0.5), server.proc.kill()))
+
+    def kill_after_three_rows():
+        while len(journal.done) < 3:
+            time.sleep(0.005)
+        server.proc.kill()
+
+    killer = threading.Thread(target=kill_after_three_rows)
     killer.start()
     try:
         ordered, errors = run_regen(data, [ep], cfg, SamplingConfig(max_tokens=48), journal)

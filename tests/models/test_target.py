@@ -10,12 +10,9 @@ from deepspec.models.target import (TargetError, check_layers, identity, parse_s
 from tests.conftest import SAMPLE_CONVERSATIONS, make_model_dir
 
 
-def split_file(tmp_path: Path) -> Path:
-    path = tmp_path / "train.jsonl"
-    with open(path, "w") as f:
-        for i, conv in enumerate(SAMPLE_CONVERSATIONS):
-            f.write(json.dumps({"id": f"r{i}", "conversations": conv}) + "\n")
-    return path
+def corpus():
+    """The corpus callable prepare_target takes (only builtin:tiny calls it)."""
+    return lambda: [{"id": f"r{i}", "conversations": conv} for i, conv in enumerate(SAMPLE_CONVERSATIONS)]
 
 
 def test_unknown_scheme_is_a_config_error():
@@ -36,11 +33,11 @@ def test_layer_ids_exclude_the_final_layer():
 
 def test_local_directory_source_is_copied_with_identity(tmp_path, small_model_dir):
     out = tmp_path / "target"
-    ident = prepare_target(TargetConfig(source=str(small_model_dir)), [0, 1, 2], split_file(tmp_path), out)
+    ident = prepare_target(TargetConfig(source=str(small_model_dir)), [0, 1, 2], corpus(), out)
     assert ident["num_layers"] == 4 and ident["hidden_size"] == 32
     assert json.loads((out / "identity.json").read_text()) == ident
     assert (out / "model.safetensors").read_bytes() == (small_model_dir / "model.safetensors").read_bytes()
-    again = prepare_target(TargetConfig(source=str(small_model_dir)), [0], split_file(tmp_path), tmp_path / "t2")
+    again = prepare_target(TargetConfig(source=str(small_model_dir)), [0], corpus(), tmp_path / "t2")
     assert again == ident  # identity is stable across runs and copies
 
 
@@ -60,7 +57,7 @@ def test_identity_changes_with_weights_and_template(tmp_path, small_model_dir):
 
 
 def test_bad_local_directories(tmp_path, small_model_dir):
-    split = split_file(tmp_path)
+    split = corpus()
     with pytest.raises(ConfigError, match=r"\[4\] out of range .* 4 decoder layers"):
         prepare_target(TargetConfig(source=str(small_model_dir)), [4], split, tmp_path / "o1")
     not_lm = tmp_path / "bert"
@@ -96,10 +93,10 @@ def test_hub_source_offline_from_a_local_hub_cache(tmp_path, small_model_dir, mo
     import huggingface_hub.constants as c
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
-    ident = prepare_target(TargetConfig(source="hf:acme/tiny"), [1], split_file(tmp_path), tmp_path / "t")
+    ident = prepare_target(TargetConfig(source="hf:acme/tiny"), [1], corpus(), tmp_path / "t")
     assert ident == identity(small_model_dir)
     with pytest.raises(TargetError, match="hf:acme/absent: cannot fetch"):
-        prepare_target(TargetConfig(source="hf:acme/absent"), [1], split_file(tmp_path), tmp_path / "t2")
+        prepare_target(TargetConfig(source="hf:acme/absent"), [1], corpus(), tmp_path / "t2")
 
 
 def test_builtin_tiny_trains_and_saves_a_loadable_model(tmp_path):
@@ -111,8 +108,8 @@ def test_builtin_tiny_trains_and_saves_a_loadable_model(tmp_path):
                             warmup_steps=3, lr=1e-2, heldout_fraction=0.2)
     out = tmp_path / "target"
     with pytest.raises(ConfigError, match=r"\[2\] out of range"):
-        prepare_target(TargetConfig(tiny=tiny), [1, 2], split_file(tmp_path), out)
-    ident = prepare_target(TargetConfig(tiny=tiny), [-1, 0, 1], split_file(tmp_path), out)
+        prepare_target(TargetConfig(tiny=tiny), [1, 2], corpus(), out)
+    ident = prepare_target(TargetConfig(tiny=tiny), [-1, 0, 1], corpus(), out)
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["heldout_loss"] < metrics["uniform_loss"] - 1.0
     assert ident["num_layers"] == 3 and ident["architecture"] == "Qwen3ForCausalLM"
@@ -126,7 +123,7 @@ def test_builtin_tiny_trains_and_saves_a_loadable_model(tmp_path):
     with torch.no_grad():
         assert model(**tok(prompt, return_tensors="pt")).logits.shape[-1] == len(tok)
     # same seed, same data -> same weights (the stage is deterministic)
-    ident2 = prepare_target(TargetConfig(tiny=tiny), [0], split_file(tmp_path), tmp_path / "again")
+    ident2 = prepare_target(TargetConfig(tiny=tiny), [0], corpus(), tmp_path / "again")
     assert ident2 == ident
 
 
@@ -134,6 +131,6 @@ def test_builtin_tiny_trains_and_saves_a_loadable_model(tmp_path):
 def test_smollm2_from_the_packaged_gguf(tmp_path):
     pytest.importorskip("gguf")
     out = tmp_path / "smol"
-    ident = prepare_target(TargetConfig(source="builtin:smollm2-135m"), [1, 9, 17, 25], split_file(tmp_path), out)
+    ident = prepare_target(TargetConfig(source="builtin:smollm2-135m"), [1, 9, 17, 25], corpus(), out)
     assert ident["num_layers"] == 30 and ident["architecture"] == "LlamaForCausalLM"
     validate_model_dir(out)

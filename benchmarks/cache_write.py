@@ -1,0 +1,157 @@
+"""Cache writing, measured side by side in one run on real activations of the embedded target.
+
+    python benchmarks/cache_write.py [--target data/target] [--rows 600] [--repeat 8]
+
+Prints
+  1. writer MB/s vs raw numpy.memmap writes of the same bytes (ratio),
+  2. bytes/token on disk for each dtype/codec vs the reference's raw layout (ratio), with the
+     8-bit modes' error on these activations (fp8 e4m3 and int8 absmax, per-token scale),
+  3. cache-stage wall time vs forward-only time over the same rows (overlap ratio; goal <= 1.10).
+Needs data/target and data/regen/train.jsonl (run `make repro` first).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from deepspec.cache.build import build_cache, compute_part, encode_rows, load_target, plan_parts
+from deepspec.cache.estimate import reference_bytes_per_token
+from deepspec.cache.format import decode_hidden, encode_hidden
+from deepspec.cache.verify import disk_usage
+from deepspec.cache.writer import CacheWriter, PartData
+from deepspec.config import CacheConfig
+from deepspec.io import read_jsonl
+
+LAYERS = [1, 9, 17, 25, 33]
+
+
+def activations(target: Path, rows: list[dict]) -> PartData:
+    tok, model = load_target(target, torch.device("cpu"))
+    samples, _ = encode_rows(tok, rows, 1024)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return compute_part(model, "p000000", samples, LAYERS, 8192, pad, torch.device("cpu"))
+
+
+def tile(part: PartData, repeat: int, name: str = "p000000") -> PartData:
+    return PartData(name, np.concatenate([part.sample_ids + np.uint64(i * 10**6) for i in range(repeat)]),
+                    np.tile(part.lengths, repeat), np.tile(part.input_ids, repeat), np.tile(part.loss_mask, repeat),
+                    {k: v.repeat(repeat, 1) for k, v in part.hidden.items()})
+
+
+def manifest(dtype: str, codec: str, hidden: int) -> dict:
+    return {"target": {"id": "bench", "hidden_size": hidden}, "layers": LAYERS, "dtype": dtype, "codec": codec,
+            "max_length": 1024, "chunk_tokens": 64, "hidden_size": hidden}
+
+
+def write_store(root: Path, part: PartData, dtype: str, codec: str) -> float:
+    shutil.rmtree(root, ignore_errors=True)
+    w = CacheWriter(str(root), manifest(dtype, codec, part.hidden["last"].shape[1]))
+    t0 = time.perf_counter()
+    w.write_part(part)
+    os.sync()
+    return time.perf_counter() - t0
+
+
+def write_memmap(root: Path, part: PartData) -> float:
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    arrays = {"input_ids": part.input_ids.astype(np.int32), "loss_mask": part.loss_mask}
+    t0 = time.perf_counter()
+    for k, v in part.hidden.items():  # the same conversion work as the writer: float -> bf16 bits
+        arrays[f"h{k}"] = encode_hidden(v, "bfloat16")[0]
+    for name, a in arrays.items():
+        mm = np.lib.format.open_memmap(root / f"{name}.npy", mode="w+", dtype=a.dtype, shape=a.shape)
+        mm[...] = a
+        mm.flush()
+        del mm
+    os.sync()
+    return time.perf_counter() - t0
+
+
+def quant_error(x: torch.Tensor) -> dict:
+    """Per-token cosine and relative L2 error of fp8-e4m3 and int8-absmax (both with per-token scale)."""
+    x = x.float()
+    bits, scale = encode_hidden(x, "fp8")
+    fp8 = decode_hidden(bits, scale, "fp8").float()
+    s = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
+    int8 = (x / s).round().clamp(-127, 127) * s
+    out = {}
+    for name, y in (("fp8_e4m3", fp8), ("int8_absmax", int8)):
+        cos = torch.nn.functional.cosine_similarity(x, y, dim=-1)
+        rel = (x - y).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-12)
+        out[name] = {"cos_min": round(float(cos.min()), 5), "cos_mean": round(float(cos.mean()), 6),
+                     "rel_l2_mean": round(float(rel.mean()), 5)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="data/target")
+    ap.add_argument("--regen", default="data/regen/train.jsonl")
+    ap.add_argument("--rows", type=int, default=600)
+    ap.add_argument("--repeat", type=int, default=8, help="tile the real activations to this many copies")
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    rows = list(read_jsonl(args.regen))[: args.rows]
+    real = activations(Path(args.target), rows)
+    part = tile(real, args.repeat)
+    H = part.hidden["last"].shape[1]
+    tokens = int(part.lengths.sum())
+    payload = tokens * (4 + 1 + len(part.hidden) * H * 2)
+    report: dict = {"tokens": tokens, "hidden_size": H, "payload_MB": round(payload / 1e6, 1)}
+
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        tmp = Path(tmp)
+        # 1. writer vs memmap, alternating to share the machine's noise
+        w_times, m_times = [], []
+        for _ in range(3):
+            m_times.append(write_memmap(tmp / "raw", part))
+            w_times.append(write_store(tmp / "zarr", part, "bfloat16", "none"))
+        w, m = min(w_times), min(m_times)
+        report["write"] = {"writer_MB_s": round(payload / w / 1e6, 1), "memmap_MB_s": round(payload / m / 1e6, 1),
+                           "ratio_writer_vs_memmap": round(m / w, 3)}
+
+        # 2. bytes/token per dtype/codec vs the reference layout
+        ref = reference_bytes_per_token(H, len(LAYERS))
+        sizes = {}
+        for dtype, codec in (("bfloat16", "none"), ("bfloat16", "blosc-lz4"), ("bfloat16", "blosc-zstd"),
+                             ("fp8", "none"), ("fp8", "blosc-zstd")):
+            secs = write_store(tmp / f"{dtype}-{codec}", part, dtype, codec)
+            size, files = disk_usage(str(tmp / f"{dtype}-{codec}"))
+            sizes[f"{dtype}/{codec}"] = {"bytes_per_token": round(size / tokens, 1),
+                                         "ratio_vs_reference": round(size / tokens / ref, 4),
+                                         "write_MB_s": round(payload / secs / 1e6, 1), "files": files}
+        report["bytes_per_token"] = {"reference_layout": ref, **sizes}
+        report["quantization_error"] = {str(k): quant_error(real.hidden[k]) for k in (1, 17, 33, "last")}
+
+        # 3. the stage: forward-only vs forward + background writes, over the same rows
+        regen = tmp / "regen.jsonl"
+        regen.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tok, model = load_target(Path(args.target), torch.device("cpu"))
+        samples, _ = encode_rows(tok, rows, 1024)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        cfg = CacheConfig(url=str(tmp / "stage.zarr"), part_tokens=4096)
+        t0 = time.perf_counter()
+        for name, ps in plan_parts(samples, cfg.part_tokens, 0):
+            compute_part(model, name, ps, LAYERS, cfg.batch_tokens, pad, torch.device("cpu"))
+        forward_only = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        build_cache(cfg, LAYERS, regen, Path(args.target))
+        os.sync()
+        stage = time.perf_counter() - t0
+        report["stage"] = {"forward_only_s": round(forward_only, 2), "stage_s": round(stage, 2),
+                           "overlap_ratio": round(stage / forward_only, 3),
+                           "note": "stage_s includes loading the target once (forward_only does not)"}
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

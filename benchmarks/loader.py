@@ -1,0 +1,210 @@
+"""Random-sample read speed of the cache, measured side by side in one run.
+
+    python benchmarks/loader.py [--gb 1.0] [--sample-tokens 1260] [--seconds 10] [--s3]
+
+Builds a >= 1 GB cache from real activations of the embedded target (data/cache.zarr's rows,
+concatenated into ~1,260-token samples and repeated), writes the same bytes in the reference's
+raw layout (one flat file, one record per sample), warms the page cache, then reads samples in
+uniformly random order through
+  (a) raw flat-file pread of each record (the reference design),
+  (b) zarr-python's array API (one slice per array),
+  (c) deepspec's fast shard path (TargetCacheDataset): uncompressed, blosc-lz4, fp8,
+  (d) the fast path over a moto S3 server on 127.0.0.1 (with --s3),
+and prints samples/s, MB/s and the ratios (c)/(a) and (c)/(b). Goal: (c) >= 0.5x (a), >= 4x (b).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import zarr
+
+from deepspec.cache.reader import CacheReader
+from deepspec.cache.writer import CacheWriter, PartData
+from deepspec.loader.dataset import TargetCacheDataset
+
+
+def real_samples(cache: str, sample_tokens: int) -> tuple[list[int], dict]:
+    """Real activations from an existing cache, regrouped into samples of ~sample_tokens tokens."""
+    r = CacheReader(cache)
+    keys = [*r.layers, "last"]
+    cols: dict = {k: [] for k in keys}
+    ids, mask = [], []
+    for i in range(len(r)):
+        s = r.read(i)
+        ids.append(s["input_ids"])
+        mask.append(s["loss_mask"])
+        for k in keys:
+            cols[k].append(s[k][0])
+    flat = {"input_ids": np.concatenate(ids), "loss_mask": np.concatenate(mask),
+            **{k: np.concatenate(v) for k, v in cols.items()}}
+    return r.layers, flat
+
+
+def build(root: Path, layers, flat: dict, n_samples: int, sample_tokens: int, dtype: str, codec: str,
+          storage_options=None) -> tuple[str, np.ndarray]:
+    T = len(flat["input_ids"])
+    rng = np.random.default_rng(0)
+    starts = rng.integers(0, T - sample_tokens, size=n_samples)
+    lengths = rng.integers(int(sample_tokens * 0.8), int(sample_tokens * 1.2), size=n_samples).clip(max=T - starts)
+    idx = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
+    hidden = {k: torch.from_numpy(flat[k][idx]).view(torch.bfloat16) for k in [*layers, "last"]}
+    H = hidden["last"].shape[1]
+    manifest = {"target": {"id": "bench", "hidden_size": H}, "layers": layers, "dtype": dtype, "codec": codec,
+                "max_length": 4096, "chunk_tokens": 64, "hidden_size": H}
+    url = str(root)
+    w = CacheWriter(url, manifest, storage_options)
+    per_part = max(1, n_samples // 4)
+    offs = np.concatenate([[0], np.cumsum(lengths)])
+    for p in range(0, n_samples, per_part):
+        sl = slice(p, min(n_samples, p + per_part))
+        a, b = offs[sl.start], offs[sl.stop]
+        w.write_part(PartData(f"p{p // per_part:06d}", np.arange(sl.start, sl.stop, dtype=np.uint64) + 1,
+                              lengths[sl], flat["input_ids"][idx[a:b]], flat["loss_mask"][idx[a:b]],
+                              {k: v[a:b] for k, v in hidden.items()}))
+    w.write_manifest()
+    return url, lengths
+
+
+def write_reference(path: Path, ds: TargetCacheDataset) -> list[tuple[int, int, int]]:
+    """The reference layout: per sample ids(int32) | attn(uint8) | loss(uint8) | hidden bf16 | last bf16."""
+    index = []
+    with open(path, "wb") as f:
+        for i in range(len(ds)):
+            s = ds[i]
+            T = len(s["input_ids"])
+            rec = b"".join([s["input_ids"].numpy().tobytes(), np.ones(T, np.uint8).tobytes(),
+                            s["loss_mask"].numpy().tobytes(), s["hidden"].view(torch.uint16).numpy().tobytes(),
+                            s["last_hidden"].view(torch.uint16).numpy().tobytes()])
+            index.append((f.tell(), len(rec), T))
+            f.write(rec)
+    return index
+
+
+def timed(read, n_items: int, seconds: float, seed: int = 0) -> dict:
+    order = list(range(n_items))
+    random.Random(seed).shuffle(order)
+    count, nbytes, t0 = 0, 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        nbytes += read(order[count % n_items])
+        count += 1
+    dt = time.perf_counter() - t0
+    return {"samples_s": round(count / dt, 1), "MB_s": round(nbytes / dt / 1e6, 1)}
+
+
+def sample_bytes(s: dict) -> int:
+    return sum(v.numel() * v.element_size() for k, v in s.items() if isinstance(v, torch.Tensor))
+
+
+def warm(root: Path) -> None:
+    for p in root.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                while f.read(1 << 24):
+                    pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cache", default="data/cache.zarr", help="an existing cache with real activations")
+    ap.add_argument("--gb", type=float, default=1.0)
+    ap.add_argument("--sample-tokens", type=int, default=1260)
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--s3", action="store_true", help="also read through moto_server on 127.0.0.1")
+    args = ap.parse_args()
+    layers, flat = real_samples(args.cache, args.sample_tokens)
+    H = flat["last"].shape[1]
+    per_sample = args.sample_tokens * (6 + (len(layers) + 1) * H * 2)
+    n = max(8, int(args.gb * 1e9 / per_sample))
+    out: dict = {"samples": n, "sample_tokens": args.sample_tokens, "hidden_size": H, "layers": layers}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        tmp = Path(tmp)
+        stores = {}
+        for name, dtype, codec in (("fast_uncompressed", "bfloat16", "none"), ("fast_blosc_lz4", "bfloat16", "blosc-lz4"),
+                                   ("fast_fp8", "fp8", "none")):
+            stores[name], _ = build(tmp / name, layers, flat, n, args.sample_tokens, dtype, codec)
+        ds = TargetCacheDataset(stores["fast_uncompressed"])
+        ref_path = tmp / "reference.bin"
+        index = write_reference(ref_path, ds)
+        out["store_GB"] = round(sum(p.stat().st_size for p in (tmp / "fast_uncompressed").rglob("*") if p.is_file()) / 1e9, 3)
+        warm(tmp)
+
+        fd = os.open(ref_path, os.O_RDONLY)
+
+        def read_raw(i):
+            off, size, T = index[i]
+            buf = os.pread(fd, size, off)
+            ids = np.frombuffer(buf, np.int32, T)  # views: no copy, as the reference's mmap reader
+            hid = np.frombuffer(buf, np.uint16, T * len(layers) * H, offset=6 * T)
+            return len(buf) if ids.size and hid.size else 0
+
+        root = zarr.open_group(stores["fast_uncompressed"], mode="r")
+        reader = ds.reader
+
+        def read_zarr(i):
+            part, a, b = reader.locate(i)
+            g = root[f"parts/{reader.parts[part]}"]
+            arrays = [g["input_ids"][a:b], g["loss_mask"][a:b], g["last_hidden"][a:b]]
+            arrays += [g[f"hidden/{k}"][a:b] for k in layers]
+            return sum(x.nbytes for x in arrays)
+
+        results = {}
+        for rep in range(2):  # interleave the contenders twice; keep the better run of each
+            for name, fn in (("a_raw_pread", read_raw), ("b_zarr_python", read_zarr)):
+                r = timed(fn, n, args.seconds / 2, seed=rep)
+                results[name] = max(results.get(name, r), r, key=lambda x: x["samples_s"])
+            for name, url in stores.items():
+                d = TargetCacheDataset(url)
+                r = timed(lambda i: sample_bytes(d[i]), n, args.seconds / 2, seed=rep)
+                results[name] = max(results.get(name, r), r, key=lambda x: x["samples_s"])
+        os.close(fd)
+        if args.s3:
+            results["d_fast_s3_moto"] = s3_read(tmp, layers, flat, min(n, 64), args)
+        raw, zp, fast = results["a_raw_pread"], results["b_zarr_python"], results["fast_uncompressed"]
+        out["results"] = results
+        out["ratios"] = {"fast_vs_raw_pread": round(fast["samples_s"] / raw["samples_s"], 3),
+                         "fast_vs_zarr_python": round(fast["samples_s"] / zp["samples_s"], 2),
+                         "lz4_vs_raw_pread": round(results["fast_blosc_lz4"]["samples_s"] / raw["samples_s"], 3),
+                         "fp8_vs_raw_pread": round(results["fast_fp8"]["samples_s"] / raw["samples_s"], 3)}
+    print(json.dumps(out, indent=2))
+
+
+def s3_read(tmp: Path, layers, flat, n: int, args) -> dict:
+    import boto3
+
+    from deepspec.data.servers import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_EC2_METADATA_DISABLED="true")
+        for _ in range(100):
+            try:
+                boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="bench")
+                break
+            except Exception:
+                time.sleep(0.2)
+        opts = {"endpoint_url": endpoint, "key": "bench", "secret": "bench"}
+        url, _ = build("s3://bench/c.zarr", layers, flat, n, args.sample_tokens, "bfloat16", "none", opts)
+        d = TargetCacheDataset(url, storage_options=opts)
+        return timed(lambda i: sample_bytes(d[i]), n, args.seconds)
+    finally:
+        proc.terminate()
+        proc.wait()
+        shutil.rmtree(tmp / "s3", ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

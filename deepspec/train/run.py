@@ -1,0 +1,54 @@
+"""Assemble a training run: dataset, draft initialised from the target, trainer, callbacks."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from deepspec.config import TrainConfig, to_dict
+from deepspec.io import fingerprint
+from deepspec.loader.dataset import TargetCacheDataset
+from deepspec.models.draft import DraftConfig, DraftModel
+from deepspec.models.target import load_identity
+from deepspec.train.callbacks import DvcLiveMetrics, JsonMetrics, ProgressBar
+from deepspec.train.trainer import Trainer
+
+
+def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path) -> DraftModel:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    identity = load_identity(target_dir)
+    target_cfg = AutoConfig.from_pretrained(target_dir)
+    draft_cfg = DraftConfig.for_target(cfg.algorithm, getattr(target_cfg, "text_config", target_cfg), layers,
+                                       cfg.block_size, cfg.draft_layers, cfg.markov_rank, identity)
+    torch.manual_seed(cfg.seed)
+    model = DraftModel(draft_cfg)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    model.copy_target_embeddings(target)
+    return model
+
+
+def run_training(cfg: TrainConfig, layers: list[int], cache_url: str, target_dir: Path, draft_dir: Path,
+                 out_dir: Path, state_dir: Path, storage_options: dict | None = None, rank: int = 0,
+                 world: int = 1, device: torch.device | None = None) -> dict:
+    device = device or torch.device("cpu")
+    identity = load_identity(target_dir)
+    dataset = TargetCacheDataset(cache_url, layers=layers, storage_options=storage_options,
+                                 expect={"target": identity})
+    model = new_draft(cfg, layers, target_dir).to(device)
+    ddp = None
+    if world > 1:
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True)
+    fp = fingerprint({"train": to_dict(cfg), "layers": layers, "target": identity["id"],
+                      "cache": [dataset.manifest["parts"], dataset.manifest["dtype"]]})
+    # dvclive starts a fresh curve unless the trainer resumes (then it keeps the steps up to the checkpoint)
+    callbacks = [ProgressBar(), DvcLiveMetrics(out_dir / "live"), JsonMetrics(out_dir / "metrics.json")]
+    trainer = Trainer(model, dataset, cfg, state_dir, fp, callbacks, rank, world, device, ddp)
+    final = trainer.fit()
+    if rank == 0:
+        if draft_dir.exists():
+            shutil.rmtree(draft_dir)
+        model.save(draft_dir)
+    return final

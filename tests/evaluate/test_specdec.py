@@ -1,0 +1,143 @@
+"""Speculative decoding: lossless greedy, distribution-preserving sampling, metrics that can fail."""
+import collections
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from deepspec.config import EvalConfig, SamplingConfig
+from deepspec.data.template import encode_prompt
+from deepspec.evaluate.run import PromptError, evaluate, load_prompts, round_metrics
+from deepspec.evaluate.specdec import Result, Round, SpecDecoder, Warp
+from deepspec.models.draft import DraftConfig, DraftModel
+from tests.conftest import SAMPLE_CONVERSATIONS
+
+
+def random_draft(target, layers, block=4, seed=0, markov=16) -> DraftModel:
+    torch.manual_seed(seed)
+    cfg = DraftConfig.for_target("dspark", target.config, layers, block, 1, markov, {})
+    draft = DraftModel(cfg)
+    draft.copy_target_embeddings(target)
+    with torch.no_grad():  # make the random draft opinionated (a nonzero Markov bias too)
+        draft.markov_out.weight.normal_(std=0.5)
+    return draft.eval()
+
+
+def prompts_of(tok, n=12):
+    return [encode_prompt(tok, conv[:1]) for conv in SAMPLE_CONVERSATIONS[::7][:n]]
+
+
+def test_greedy_speculative_equals_plain_greedy(trained_target):
+    tok = AutoTokenizer.from_pretrained(trained_target)
+    target = AutoModelForCausalLM.from_pretrained(trained_target)
+    for block in (2, 5):
+        dec = SpecDecoder(target, random_draft(target, [0, 2], block), {tok.eos_token_id})
+        for ids in prompts_of(tok):
+            plain = dec.plain(ids, 30, Warp())
+            spec = dec.speculative(ids, 30, Warp())
+            assert spec.tokens == plain.tokens
+            assert sum(r.acceptance_length for r in spec.rounds) + 1 == len(spec.tokens)
+
+
+def test_a_random_draft_gives_tau_near_one(trained_target):
+    tok = AutoTokenizer.from_pretrained(trained_target)
+    target = AutoModelForCausalLM.from_pretrained(trained_target)
+    dec = SpecDecoder(target, random_draft(target, [0, 2], 4, seed=3), {tok.eos_token_id})
+    results = [dec.speculative(ids, 30, Warp()) for ids in prompts_of(tok)]
+    assert round_metrics(results, 4)["tau"] < 1.3
+
+
+def test_round_metrics_follow_the_reference_definitions():
+    res = Result(tokens=list(range(12)), seconds=1.0, rounds=[
+        Round(proposed=4, accepted=4, bonus=True), Round(proposed=4, accepted=1, bonus=True),
+        Round(proposed=4, accepted=0, bonus=True), Round(proposed=2, accepted=2, bonus=False)])
+    m = round_metrics([res], 4)
+    assert m["tau"] == pytest.approx((5 + 2 + 1 + 2) / 4)
+    assert m["accept_rate@0"] == pytest.approx(3 / 4)      # rounds with >0 accepted / rounds proposing >0
+    assert m["accept_rate@1"] == pytest.approx(2 / 4)
+    assert m["accept_rate@2"] == pytest.approx(1 / 3, abs=1e-4)  # the last round proposed only two tokens
+    assert m["mean_proposal"] == pytest.approx(3.5)
+
+
+def tiny_lm(vocab=8, seed=0):
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(3)  # token-dependent next-token laws, top token ~0.4-0.5
+    return model
+
+
+def chi_square_pvalue(counts: dict, expected: dict) -> float:
+    """Pearson's chi-square over cells merged until every expected count is >= 5."""
+    cells = sorted(expected, key=lambda c: expected[c])
+    obs, exp, stat, df = 0.0, 0.0, 0.0, -1
+    for c in cells:
+        obs += counts.get(c, 0)
+        exp += expected[c]
+        if exp >= 5:
+            stat += (obs - exp) ** 2 / exp
+            df += 1
+            obs, exp = 0.0, 0.0
+    if exp > 0:
+        stat += (obs - exp) ** 2 / max(exp, 1e-9)
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("warp", [Warp(temperature=1.0), Warp(temperature=0.8, top_k=5, top_p=0.9)])
+def test_speculative_sampling_preserves_the_target_distribution(warp):
+    """The joint law of the first three generated tokens, speculative vs the target's own (exact)."""
+    target = tiny_lm()
+    draft = random_draft(target, [0, 1], block=3, seed=1, markov=4)
+    dec = SpecDecoder(target, draft, stop_ids=set())
+    prompt = [1, 2, 3]
+    n = 3000
+    counts = collections.Counter(tuple(dec.speculative(prompt, 3, warp, seed=s).tokens) for s in range(n))
+    # exact probabilities of every 3-token continuation under the warped target
+    expected = {}
+    with torch.no_grad():
+        p1 = warp.probs(target(torch.tensor([prompt])).logits[0, -1])
+        for a in range(8):
+            if p1[a] == 0:
+                continue
+            p2 = warp.probs(target(torch.tensor([prompt + [a]])).logits[0, -1])
+            for b in range(8):
+                if p2[b] == 0:
+                    continue
+                p3 = warp.probs(target(torch.tensor([prompt + [a, b]])).logits[0, -1])
+                for c in range(8):
+                    if p3[c] > 0:
+                        expected[(a, b, c)] = float(p1[a] * p2[b] * p3[c]) * n
+    assert set(counts) <= set(expected)  # nothing the warped target could not produce
+    assert chi_square_pvalue(counts, expected) > 1e-3
+    # and the test has teeth: plain sampling from the *draft's* first-slot law is far from it
+    rounds = [dec.speculative(prompt, 3, warp, seed=s).rounds for s in range(200)]
+    assert any(r and r[0].accepted < r[0].proposed for r in rounds)
+
+
+def test_prompts_file_errors_name_the_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"turns": ["hi"]}\n{"turns": []}\n')
+    with pytest.raises(PromptError, match=r"p.jsonl:2: field 'turns'"):
+        load_prompts(f, 10)
+    f.write_text('{"turns": ["a"], "task": "x"}\n{"turns": ["b"], "task": "y"}\n{"turns": ["c"], "task": "x"}\n')
+    assert [p["prompt"] for p in load_prompts(f, 10)] == ["a", "b", "c"]
+    assert [p["task"] for p in load_prompts(f, 2)] == ["x", "y"]  # a prefix covers every task
+
+
+def test_evaluate_writes_reference_metrics(tmp_path, trained_target):
+    target = AutoModelForCausalLM.from_pretrained(trained_target)
+    draft = random_draft(target, [0, 2])
+    draft.config.target = json.loads((trained_target / "identity.json").read_text())
+    draft.save(tmp_path / "draft")
+    f = tmp_path / "eval.jsonl"
+    f.write_text("".join(json.dumps({"id": str(i), "task": "math", "turns": [c[0]["content"]]}) + "\n"
+                         for i, c in enumerate(SAMPLE_CONVERSATIONS[:5])))
+    metrics, rows = evaluate(trained_target, tmp_path / "draft", load_prompts(f, 5),
+                             EvalConfig(max_new_tokens=12), SamplingConfig(temperature=0.7))
+    assert metrics["greedy"]["greedy_match"] == 1.0 and len(rows) == 5
+    assert set(metrics["per_task"]) == {"math"} and "tau_sample" in metrics
+    assert metrics["greedy"]["plain_tokens_per_s"] > 0 and metrics["speedup"] > 0

@@ -1,0 +1,209 @@
+"""The whole pipeline on the embedded default, driven by real DVC in throwaway clones, and the
+three data-lake workflows (share through an S3 remote, a smaller-cache experiment, growth) plus
+integrity, against a real S3-compatible server (moto_server) on 127.0.0.1.
+
+`dvc repro` of the full default pipeline runs once per session (the `pipeline` fixture); every
+test here reuses that clone, in the order written.
+"""
+import hashlib
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import clone_project, project_env, run
+
+pytestmark = pytest.mark.slow
+
+TIMINGS: dict[str, float] = {}
+
+
+def dvc(repo: Path, *args: str, env=None, check=True, timeout=1800):
+    t0 = time.time()
+    out = run(["dvc", *args], repo, env=env or project_env(repo), check=check, timeout=timeout)
+    TIMINGS[" ".join(args[:2])] = TIMINGS.get(" ".join(args[:2]), 0.0) + time.time() - t0
+    return out
+
+
+def git(repo: Path, *args: str):
+    return run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args], repo)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    repo = clone_project(tmp_path_factory.mktemp("pipeline") / "a")
+    t0 = time.time()
+    out = dvc(repo, "repro", timeout=3600).stdout
+    TIMINGS["dvc repro (full default)"] = time.time() - t0
+    for stage in ("split", "target", "regen", "cache", "train", "eval"):
+        assert f"Running stage '{stage}'" in out
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "pipeline outputs")
+    yield repo
+    print("\nworkflow timings (s):", json.dumps({k: round(v, 1) for k, v in TIMINGS.items()}, indent=1))
+
+
+@pytest.fixture(scope="module")
+def remote(pipeline, moto):
+    bucket = moto.bucket("dvc-remote")
+    url = f"s3://{bucket}/store"
+    dvc(pipeline, "remote", "add", "-d", "store", url)
+    dvc(pipeline, "remote", "modify", "store", "endpointurl", moto.endpoint)
+    configure_credentials(pipeline)
+    git(pipeline, "add", ".dvc/config")
+    git(pipeline, "commit", "-qm", "remote")
+    return bucket
+
+
+def configure_credentials(repo: Path):
+    dvc(repo, "remote", "modify", "--local", "store", "access_key_id", "testing")
+    dvc(repo, "remote", "modify", "--local", "store", "secret_access_key", "testing")
+
+
+def objects(moto, bucket) -> dict[str, str]:
+    s3, out, token = moto.client(), {}, None
+    while True:
+        kw = {"Bucket": bucket, **({"ContinuationToken": token} if token else {})}
+        page = s3.list_objects_v2(**kw)
+        out.update({o["Key"]: o["ETag"] for o in page.get("Contents", [])})
+        if not page.get("IsTruncated"):
+            return out
+        token = page["NextContinuationToken"]
+
+
+def test_pipeline_outputs_and_rerun_is_a_no_op(pipeline):
+    target = json.loads((pipeline / "data/target/metrics.json").read_text())
+    assert target["heldout_loss"] < target["uniform_loss"] / 3
+    cache = json.loads((pipeline / "data/cache/metrics.json").read_text())
+    assert cache["samples"] > 1000 and cache["layers"] == 5
+    train = json.loads((pipeline / "data/train/metrics.json").read_text())
+    first = float((pipeline / "data/train/live/plots/metrics/train/loss.tsv").read_text().splitlines()[1].split("\t")[-1])
+    assert train["final_loss"] < 0.5 * first
+    ev = json.loads((pipeline / "data/eval/metrics.json").read_text())
+    assert ev["tau"] >= 2.0 and ev["greedy"]["greedy_match"] == 1.0
+    out = dvc(pipeline, "repro").stdout
+    assert "Running stage" not in out
+    assert "loss" in dvc(pipeline, "plots", "show", "--json").stdout
+
+
+def test_greedy_speculative_equals_plain_on_every_eval_prompt(pipeline):
+    code = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from deepspec.config import EvalConfig, SamplingConfig\n"
+        "from deepspec.evaluate.run import evaluate, load_prompts\n"
+        "p = load_prompts(Path('data/split/eval.jsonl'), 10**6)\n"
+        "m, rows = evaluate(Path('data/target'), Path('data/draft'), p, EvalConfig(max_new_tokens=64, sample=False),"
+        " SamplingConfig())\n"
+        "print(json.dumps({'n': len(rows), 'match': sum(r['greedy_match'] for r in rows), 'tau': m['tau']}))\n")
+    out = run(["python", "-c", code], pipeline).stdout.strip().splitlines()[-1]
+    res = json.loads(out)
+    assert res["n"] >= 100 and res["match"] == res["n"], res
+
+
+def test_share_through_the_remote(pipeline, remote, moto, tmp_path):
+    t0 = time.time()
+    dvc(pipeline, "push")
+    TIMINGS["push (full)"] = time.time() - t0
+    b = tmp_path / "b"
+    run(["git", "clone", "-q", str(pipeline), str(b)], tmp_path)
+    configure_credentials(b)
+    t0 = time.time()
+    dvc(b, "pull")
+    TIMINGS["pull (fresh clone)"] = time.time() - t0
+    assert "up to date" in dvc(b, "status").stdout
+    assert "Running stage" not in dvc(b, "repro").stdout
+    out = dvc(b, "repro", "-s", "-f", "train").stdout
+    assert "Running stage 'train'" in out and "Running stage 'cache'" not in out
+    assert json.loads((b / "data/train/metrics.json").read_text())["steps"] > 0
+
+
+def test_smaller_cache_experiment(pipeline):
+    base = json.loads((pipeline / "data/cache/metrics.json").read_text())
+    t0 = time.time()
+    out = dvc(pipeline, "exp", "run", "-S", "layers=[9,25]", "-n", "two-layers", timeout=3600).stdout
+    TIMINGS["exp run layers=[9,25]"] = time.time() - t0
+    ran = {s for s in ("split", "target", "regen", "cache", "train", "eval") if f"Running stage '{s}'" in out}
+    assert ran == {"cache", "train", "eval"}, out[-3000:]
+    manifest = json.loads((pipeline / "data/cache.zarr/zarr.json").read_text())["attributes"]
+    assert manifest["layers"] == [9, 25]
+    hidden = sorted(p.name for p in (pipeline / "data/cache.zarr/parts/p000000/hidden").iterdir())
+    assert hidden == ["25", "9"]
+    small = json.loads((pipeline / "data/cache/metrics.json").read_text())
+    ratio = small["bytes"] / base["bytes"]
+    assert abs(ratio - 3 / 6) <= 0.1 * 3 / 6, ratio
+    table = json.loads(dvc(pipeline, "exp", "show", "--json").stdout)
+    text = json.dumps(table)
+    assert "two-layers" in text and '"tau"' in text and '"final_loss"' in text and '"bytes"' in text
+    shown = dvc(pipeline, "exp", "show", "--no-pager").stdout
+    assert "two-layers" in shown
+    dvc(pipeline, "exp", "apply", "two-layers")
+    git(pipeline, "checkout", "--", ".")  # back to the default params (outputs follow on the next step)
+    dvc(pipeline, "checkout")
+
+
+def test_growth_appends_parts_and_pushes_only_new_files(pipeline, remote, moto):
+    # move the source to a file holding exactly the packaged corpus: nothing downstream changes
+    from deepspec.data.builtin import builtin_chat_rows
+
+    src = pipeline / "corpus.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in builtin_chat_rows()))
+    params = yaml.safe_load((pipeline / "params.yaml").read_text())
+    params["split"]["source"] = "corpus.jsonl"
+    (pipeline / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    dvc(pipeline, "repro", "cache")
+    dvc(pipeline, "push")
+    store = pipeline / "data/cache.zarr"
+    before_files = {p: hashlib.md5(p.read_bytes()).hexdigest() for p in store.rglob("*") if p.is_file()}
+    before_objects = objects(moto, remote)
+    parts_before = sorted(p.name for p in (store / "parts").iterdir())
+
+    rng = random.Random(7)
+    new_rows = [{"conversations": [{"from": "human", "value": f"What is {a} plus {b}?"},
+                                   {"from": "gpt", "value": f"{a} plus {b} is {a + b}."}],
+                 "task": "math", "source": "growth"}
+                for a, b in ((rng.randint(100, 999), rng.randint(100, 999)) for _ in range(150))]
+    with open(src, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in new_rows))
+    out = dvc(pipeline, "repro", "cache").stdout
+    assert "Running stage 'target'" not in out and "Running stage 'regen'" in out
+    parts_after = sorted(p.name for p in (store / "parts").iterdir())
+    assert parts_after[:len(parts_before)] == parts_before and len(parts_after) > len(parts_before)
+    after_files = {p: hashlib.md5(p.read_bytes()).hexdigest() for p in store.rglob("*") if p.is_file()}
+    changed = [p for p, h in before_files.items() if after_files.get(p) != h]
+    assert [p.relative_to(store).as_posix() for p in changed] == ["zarr.json"]  # only the manifest
+    added = [p for p in after_files if p not in before_files]
+    dvc(pipeline, "push")
+    after_objects = objects(moto, remote)
+    assert all(after_objects.get(k) == v for k, v in before_objects.items())  # nothing rewritten
+    new_objects = set(after_objects) - set(before_objects)
+    new_store_objects = {hashlib.md5(p.read_bytes()).hexdigest() for p in added} | {after_files[store / "zarr.json"]}
+    # every new file of the store is one new object; the rest are the small regen/split/metrics files
+    assert {k.split("/")[-2] + k.split("/")[-1] for k in new_objects} >= new_store_objects
+    assert len(new_objects) <= len(new_store_objects) + 12, (len(new_objects), len(new_store_objects))
+    TIMINGS["growth: new cache files"] = len(added)
+
+
+def test_corrupt_remote_object_is_never_trained_on(pipeline, remote, moto, tmp_path):
+    store = pipeline / "data/cache.zarr"
+    shard = next(p for p in sorted(store.rglob("*")) if p.is_file() and p.as_posix().endswith("hidden/9/c/0/0"))
+    md5 = hashlib.md5(shard.read_bytes()).hexdigest()
+    key = next(k for k in objects(moto, remote) if k.endswith(md5[:2] + "/" + md5[2:]))
+    s3 = moto.client()
+    body = bytearray(s3.get_object(Bucket=remote, Key=key)["Body"].read())
+    body[1000] ^= 0xFF
+    s3.put_object(Bucket=remote, Key=key, Body=bytes(body))
+    c = tmp_path / "c"
+    run(["git", "clone", "-q", str(pipeline), str(c)], tmp_path)
+    configure_credentials(c)
+    pulled = dvc(c, "pull", check=False)
+    if pulled.returncode != 0:  # DVC's own hash check caught it
+        assert md5[:6] in pulled.stdout or "corrupt" in pulled.stdout.lower() or "hash" in pulled.stdout.lower()
+        return
+    verify = run(["deepspec", "cache", "verify", "data/cache.zarr"], c, check=False)
+    assert verify.returncode != 0 and "checksum mismatch" in verify.stdout
+    trained = dvc(c, "repro", "-s", "-f", "train", check=False)
+    assert trained.returncode != 0 and "checksum mismatch" in trained.stdout
