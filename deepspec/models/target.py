@@ -141,7 +141,16 @@ def export_smollm2(dst: Path) -> None:
 
     gguf = smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers dequantises GGUF on load but marks the model as quantized (not saveable):
+    # move the float weights into a plain model of the same config
+    config = loaded.config
+    config.quantization_config = None
+    if hasattr(config, "_pre_quantization_dtype"):
+        del config._pre_quantization_dtype
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    del loaded
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9, top_k=20,
                                                eos_token_id=eos, pad_token_id=tok.pad_token_id or eos)
