@@ -91,7 +91,7 @@ def draft_loss(model, batch: dict, anchors: Anchors, ce_w: float, l1_w: float, c
     global batch's sum, so micro-batches and ranks add up to one big batch)."""
     cfg = model.config
     g = cfg.block_size
-    ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["lengths"].to(batch["input_ids"].device)
+    ids, lengths = batch["input_ids"], batch["lengths"].to(batch["input_ids"].device)
     B, T = ids.shape
     dtype = model.fc.weight.dtype
     N = anchors.pos.shape[1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+from contextlib import nullcontext
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,7 +173,7 @@ class Trainer:
             agg: dict = {}
             for m, (batch, anchors) in enumerate(micro):
                 sync = m == len(micro) - 1 or self.world_size == 1
-                ctx = self.module.no_sync() if not sync and hasattr(self.module, "no_sync") else _null()
+                ctx = self.module.no_sync() if not sync and hasattr(self.module, "no_sync") else nullcontext()
                 with ctx, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                     out = self.module(batch, anchors, cfg.ce_weight, cfg.l1_weight, cfg.conf_weight,
                                       cfg.decay_gamma, norm=norm)
@@ -214,11 +215,3 @@ class Trainer:
         for k, v in zip(keys, t.tolist()):
             out[k] = v / self.world_size
         return out
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -20,7 +20,7 @@ from deepspec.cache.reader import CacheReader, ChecksumError
 from deepspec.cache.verify import verify
 from deepspec.cache.writer import CacheWriter
 from deepspec.config import CacheConfig, ConfigError
-from tests.conftest import REPO, SAMPLE_CONVERSATIONS, project_env, write_split
+from tests.conftest import REPO, SAMPLE_CONVERSATIONS, project_env
 
 LAYERS = [-1, 0, 2]
 
@@ -199,7 +199,6 @@ def test_unwritable_url_and_failed_part_leave_no_half_committed_part(tmp_path, t
                     work / "data/target")
     # a disk that fills up while the third part is written (no real component does this on demand)
     real = CacheWriter._array
-    calls = {"n": 0}
 
     def flaky(self, group, name, data, chunk_rows):
         if name.startswith("hidden") and group.path.endswith("p000002"):
