@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from deepspec.cache.format import bytes_per_token, sample_id_to_int
+from deepspec.cache.format import bytes_per_token, encode_hidden, sample_id_to_int
 from deepspec.cache.writer import CacheWriter, PartData
 from deepspec.config import CacheConfig
 from deepspec.data.template import TemplateError, encode_conversation
@@ -81,7 +81,9 @@ def length_batches(samples: list[Sample], batch_tokens: int) -> list[list[int]]:
 
 
 def compute_part(model, name: str, samples: list[Sample], layers: list[int], batch_tokens: int,
-                 pad_id: int, device: torch.device) -> PartData:
+                 pad_id: int, device: torch.device, dtype: str = "bfloat16") -> PartData:
+    """Forward passes for one part; hidden states come back already encoded (bf16 bits or fp8 +
+    scale), so the writer thread only checksums and writes."""
     per_sample: list[dict | None] = [None] * len(samples)
     for batch in length_batches(samples, batch_tokens):
         longest = max(len(samples[i].input_ids) for i in batch)
@@ -94,8 +96,8 @@ def compute_part(model, name: str, samples: list[Sample], layers: list[int], bat
         captured, last = forward_capture(model, ids.to(device), mask.to(device), layers)
         for row, i in enumerate(batch):
             n = len(samples[i].input_ids)  # right padding: a sample's rows are its first n positions
-            out = {layer: captured[layer][row, :n].to("cpu", copy=True) for layer in layers}
-            out["last"] = last[row, :n].to("cpu", copy=True)
+            out = {layer: captured[layer][row, :n] for layer in layers}
+            out["last"] = last[row, :n]
             per_sample[i] = out
     keys = [*layers, "last"]
     return PartData(
@@ -104,7 +106,7 @@ def compute_part(model, name: str, samples: list[Sample], layers: list[int], bat
         lengths=np.array([len(s.input_ids) for s in samples], dtype=np.int64),
         input_ids=np.concatenate([np.asarray(s.input_ids, dtype=np.int32) for s in samples]),
         loss_mask=np.concatenate([np.asarray(s.loss_mask, dtype=np.uint8) for s in samples]),
-        hidden={k: torch.cat([per_sample[i][k] for i in range(len(samples))]) for k in keys},
+        hidden={k: encode_hidden(torch.cat([per_sample[i][k] for i in range(len(samples))]), dtype) for k in keys},
     )
 
 
@@ -177,7 +179,7 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
     try:
         for name, part_samples in mine:
             tf = time.time()
-            part = compute_part(model, name, part_samples, layers, cfg.batch_tokens, pad_id, device)
+            part = compute_part(model, name, part_samples, layers, cfg.batch_tokens, pad_id, device, cfg.dtype)
             forward_s += time.time() - tf
             writer.submit(part)
             bar.update(part.tokens)

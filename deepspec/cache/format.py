@@ -47,18 +47,20 @@ def bytes_per_token(hidden_size: int, num_layers: int, dtype: str) -> int:
     return 4 + 1 + (num_layers + 1) * per_row
 
 
+BLOSC = {  # codec name -> numcodecs/zarr Blosc settings (one place for writer, spec and tests)
+    "blosc-zstd": {"cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": 1 << 20},
+    "blosc-lz4": {"cname": "lz4", "clevel": 5, "shuffle": "bitshuffle", "blocksize": 1 << 20},
+}
+
+
 def inner_codecs(codec: str, typesize: int):
     """Codec chain of every inner chunk: bytes [-> blosc] -> crc32c."""
     from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
 
     chain = [BytesCodec(endian="little")]
-    if codec == "blosc-zstd":
+    if codec in BLOSC:
         # blocksize 1 MiB: with Blosc's default block the shuffle gains nothing on activations
-        chain.append(BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=typesize,
-                                blocksize=1 << 20))
-    elif codec == "blosc-lz4":
-        chain.append(BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle", typesize=typesize,
-                                blocksize=1 << 20))
+        chain.append(BloscCodec(typesize=typesize, **BLOSC[codec]))
     elif codec != "none":
         raise CacheFormatError(f"unknown codec {codec!r} (known: {list(CODECS)})")
     chain.append(Crc32cCodec())
@@ -68,14 +70,15 @@ def inner_codecs(codec: str, typesize: int):
 # ---- value encodings -------------------------------------------------------------------------
 
 def encode_hidden(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """[T, H] float tensor -> (stored bits, per-token float32 scale or None)."""
+    """[T, H] float tensor (any device) -> (stored bits, per-token float32 scale or None), on the host.
+    Encoding where the tensor lives halves the device-to-host copy."""
     if dtype == "bfloat16":
-        return x.to(torch.bfloat16).contiguous().view(torch.uint16).numpy(), None
+        return x.to(torch.bfloat16).contiguous().view(torch.uint16).cpu().numpy(), None
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(torch.uint8).numpy(), scale.squeeze(-1).numpy().astype(np.float32)
+    return q.view(torch.uint8).cpu().numpy(), scale.squeeze(-1).cpu().numpy().astype(np.float32)
 
 
 def decode_hidden(bits: np.ndarray, scale: np.ndarray | None, dtype: str) -> torch.Tensor:
