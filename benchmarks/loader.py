@@ -34,8 +34,10 @@ from deepspec.cache.writer import CacheWriter, PartData
 from deepspec.loader.dataset import TargetCacheDataset
 
 
-def real_samples(cache: str, sample_tokens: int) -> tuple[list[int], dict]:
-    """Real activations from an existing cache, regrouped into samples of ~sample_tokens tokens."""
+def real_samples(cache: str, sample_tokens: int, width: int) -> tuple[list[int], dict]:
+    """Real activations from an existing cache, regrouped into samples of ~sample_tokens tokens and
+    widened to `width` columns by placing different real token rows side by side (the embedded
+    target is 128 wide; the reference measurements are for 1,920-wide rows)."""
     r = CacheReader(cache)
     keys = [*r.layers, "last"]
     cols: dict = {k: [] for k in keys}
@@ -48,6 +50,11 @@ def real_samples(cache: str, sample_tokens: int) -> tuple[list[int], dict]:
             cols[k].append(s[k][0])
     flat = {"input_ids": np.concatenate(ids), "loss_mask": np.concatenate(mask),
             **{k: np.concatenate(v) for k, v in cols.items()}}
+    H = flat["last"].shape[1]
+    if width > H:
+        reps = -(-width // H)
+        for k in [*r.layers, "last"]:
+            flat[k] = np.concatenate([np.roll(flat[k], 97 * j, axis=0) for j in range(reps)], axis=1)[:, :width]
     return r.layers, flat
 
 
@@ -84,7 +91,8 @@ def write_reference(path: Path, ds: TargetCacheDataset) -> list[tuple[int, int, 
             s = ds[i]
             T = len(s["input_ids"])
             rec = b"".join([s["input_ids"].numpy().tobytes(), np.ones(T, np.uint8).tobytes(),
-                            s["loss_mask"].numpy().tobytes(), s["hidden"].view(torch.uint16).numpy().tobytes(),
+                            s["loss_mask"].numpy().tobytes(),
+                            s["hidden"].transpose(0, 1).contiguous().view(torch.uint16).numpy().tobytes(),
                             s["last_hidden"].view(torch.uint16).numpy().tobytes()])
             index.append((f.tell(), len(rec), T))
             f.write(rec)
@@ -117,12 +125,13 @@ def warm(root: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache", default="data/cache.zarr", help="an existing cache with real activations")
-    ap.add_argument("--gb", type=float, default=1.0)
+    ap.add_argument("--gb", type=float, default=1.05)
     ap.add_argument("--sample-tokens", type=int, default=1260)
+    ap.add_argument("--width", type=int, default=1920, help="hidden width of the benchmark rows")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--s3", action="store_true", help="also read through moto_server on 127.0.0.1")
     args = ap.parse_args()
-    layers, flat = real_samples(args.cache, args.sample_tokens)
+    layers, flat = real_samples(args.cache, args.sample_tokens, args.width)
     H = flat["last"].shape[1]
     per_sample = args.sample_tokens * (6 + (len(layers) + 1) * H * 2)
     n = max(8, int(args.gb * 1e9 / per_sample))

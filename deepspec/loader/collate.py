@@ -20,11 +20,16 @@ def collate(samples: list[dict]) -> dict:
             for i, s in enumerate(samples):
                 out[i, :len(s[key])] = s[key]
             batch[key] = out
-    for key in ("hidden", "last_hidden"):
-        if key in samples[0]:
-            width = samples[0][key].shape[-1]
-            out = torch.zeros((B, T, width), dtype=samples[0][key].dtype)
-            for i, s in enumerate(samples):
-                out[i, :len(s[key])] = s[key]
-            batch[key] = out
+    if "hidden" in samples[0]:  # [L, T, H] per sample -> [B, T, L*H]: the interleave rides on the pad copy
+        L, _, H = samples[0]["hidden"].shape
+        out = torch.zeros((B, T, L * H), dtype=samples[0]["hidden"].dtype)
+        for i, s in enumerate(samples):
+            n = s["hidden"].shape[1]
+            out[i, :n].view(n, L, H).copy_(s["hidden"].transpose(0, 1))
+        batch["hidden"] = out
+    if "last_hidden" in samples[0]:
+        out = torch.zeros((B, T, samples[0]["last_hidden"].shape[-1]), dtype=samples[0]["last_hidden"].dtype)
+        for i, s in enumerate(samples):
+            out[i, :len(s["last_hidden"])] = s["last_hidden"]
+        batch["last_hidden"] = out
     return {k: v for k, v in batch.items() if v is not None}

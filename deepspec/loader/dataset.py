@@ -3,8 +3,9 @@
 A sample is a dict of
     input_ids    int32    [T]
     loss_mask    uint8    [T]
-    hidden       bfloat16 [T, L*H]   the requested layers side by side, in the order asked for
-                                     (the layout the draft's fusion projection consumes)
+    hidden       bfloat16 [L, T, H]  the requested layers, in the order asked for; each layer is one
+                                     contiguous slab, so it is read straight into place (the
+                                     collator interleaves them into [B, T, L*H] while padding)
     last_hidden  bfloat16 [T, H]     post-norm final state
     sample_id    int                 the row id as an integer (format.sample_id_to_str)
 Only the requested layers and fields are read. The dataset is picklable and opens the store
@@ -51,17 +52,18 @@ class TargetCacheDataset(Dataset):
         return self.reader.manifest
 
     def _hidden(self, part: int, start: int, stop: int, layers: list) -> torch.Tensor:
+        """[len(layers), T, H] bfloat16."""
         r, H = self.reader, self.hidden_size
         if self.dtype == "bfloat16":
-            buf = np.empty((stop - start, H * len(layers)), dtype=np.uint16)
+            buf = np.empty((len(layers), stop - start, H), dtype=np.uint16)
             for k, layer in enumerate(layers):
-                r.read_array(part, hidden_name(layer), start, stop, out=buf[:, k * H:(k + 1) * H])
+                r.read_array(part, hidden_name(layer), start, stop, out=buf[k])
             return torch.from_numpy(buf).view(torch.bfloat16)
-        out = torch.empty((stop - start, H * len(layers)), dtype=torch.bfloat16)
+        out = torch.empty((len(layers), stop - start, H), dtype=torch.bfloat16)
         for k, layer in enumerate(layers):
             bits = r.read_array(part, hidden_name(layer), start, stop)
             scale = r.read_array(part, scale_name(layer), start, stop)
-            out[:, k * H:(k + 1) * H] = decode_hidden(bits, scale, self.dtype)
+            out[k] = decode_hidden(bits, scale, self.dtype)
         return out
 
     def __getitem__(self, index: int) -> dict:
@@ -74,5 +76,5 @@ class TargetCacheDataset(Dataset):
         if "hidden" in self.fields:
             item["hidden"] = self._hidden(part, start, stop, self.layers)
         if "last_hidden" in self.fields:
-            item["last_hidden"] = self._hidden(part, start, stop, ["last"])
+            item["last_hidden"] = self._hidden(part, start, stop, ["last"])[0]
         return item

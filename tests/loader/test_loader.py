@@ -70,9 +70,9 @@ def check_round_trip(ds, parts, dtype, layers=LAYERS):
         assert got["input_ids"].dtype == torch.int32 and got["loss_mask"].dtype == torch.uint8
         assert np.array_equal(got["input_ids"].numpy(), w["input_ids"])
         assert np.array_equal(got["loss_mask"].numpy(), w["loss_mask"])
-        assert got["hidden"].dtype == torch.bfloat16 and got["hidden"].shape == (len(w["input_ids"]), H * len(layers))
+        assert got["hidden"].dtype == torch.bfloat16 and got["hidden"].shape == (len(layers), len(w["input_ids"]), H)
         for k, layer in enumerate(layers):
-            assert torch.equal(got["hidden"][:, k * H:(k + 1) * H], w[layer]), (i, layer)
+            assert torch.equal(got["hidden"][k], w[layer]), (i, layer)
         assert torch.equal(got["last_hidden"], w["last"])
 
 
@@ -208,13 +208,16 @@ def test_dataloader_with_two_workers_finishes(tmp_path, method):
 
 
 def test_collate_pads_right_and_builds_the_mask():
+    hid = torch.arange(2 * 3 * 4, dtype=torch.bfloat16).view(2, 3, 4)  # [L=2, T=3, H=4]
     a = {"input_ids": torch.tensor([1, 2, 3], dtype=torch.int32), "loss_mask": torch.tensor([0, 1, 1], dtype=torch.uint8),
-         "hidden": torch.ones(3, 4, dtype=torch.bfloat16), "sample_id": 5}
+         "hidden": hid, "sample_id": 5}
     b = {"input_ids": torch.tensor([4], dtype=torch.int32), "loss_mask": torch.tensor([1], dtype=torch.uint8),
-         "hidden": torch.full((1, 4), 2.0, dtype=torch.bfloat16), "sample_id": 6}
+         "hidden": torch.full((2, 1, 4), 2.0, dtype=torch.bfloat16), "sample_id": 6}
     batch = collate([a, b])
     assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]] and batch["input_ids"].dtype == torch.int32
     assert batch["attention_mask"].tolist() == [[True, True, True], [True, False, False]]
+    assert batch["hidden"].shape == (2, 3, 8)
+    assert torch.equal(batch["hidden"][0, 1], torch.cat([hid[0, 1], hid[1, 1]]))  # token-major, layers side by side
     assert batch["hidden"][1, 1:].abs().sum() == 0 and batch["lengths"].tolist() == [3, 1]
 
 
