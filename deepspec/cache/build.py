@@ -194,5 +194,5 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
     report = {"rows": len(rows), "samples": len(samples), "dropped": dropped,
               "forward_s": round(forward_s, 2), "wall_s": round(time.time() - t0, 2)}
     if rank == 0:
-        report["manifest"] = writer.write_manifest()
+        report["manifest"] = writer.write_manifest(rescan=world > 1)  # other ranks' parts too
     return report

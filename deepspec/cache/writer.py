@@ -94,6 +94,7 @@ class CacheWriter:
         self.storage_options = storage_options
         self.root = open_root(url, "a", storage_options)
         self.rank = rank
+        self._committed: dict[str, dict] | None = None
         if rank == 0:
             self._reconcile(prune_stale)
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -222,14 +223,20 @@ class CacheWriter:
             self._array(group, hidden_name(layer), bits, chunk)
             if scale is not None:
                 self._array(group, scale_name(layer), scale, TOKEN_CHUNK_1D)
-        group.attrs.put({"committed": True, "samples": int(len(part.lengths)), "tokens": part.tokens,
-                         "rank": self.rank})
+        attrs = {"committed": True, "samples": int(len(part.lengths)), "tokens": part.tokens, "rank": self.rank}
+        group.attrs.put(attrs)
         log.debug("committed part %s: %d samples, %d tokens", part.name, len(part.lengths), part.tokens)
+        if self._committed is not None:
+            self._committed[part.name] = attrs
         if self.rank == 0 and self._thread is threading.current_thread():
             self.write_manifest()
 
     def _manifest_attrs(self) -> dict:
-        parts = self.committed_parts()
+        # listing every part group costs one metadata read per part: do it once, then keep the
+        # list up to date as parts commit (other ranks' parts are picked up by rescan=True)
+        if self._committed is None:
+            self._committed = self.committed_parts()
+        parts = dict(sorted(self._committed.items()))
         return dict(
             self.manifest,
             parts=[{"name": n, "samples": a["samples"], "tokens": a["tokens"]} for n, a in parts.items()],
@@ -237,8 +244,10 @@ class CacheWriter:
             num_tokens=sum(a["tokens"] for a in parts.values()),
         )
 
-    def write_manifest(self) -> dict:
+    def write_manifest(self, rescan: bool = False) -> dict:
         """Consolidate the committed parts into the root attributes (one atomic object write)."""
+        if rescan:
+            self._committed = None
         attrs = self._manifest_attrs()
         self.root.attrs.put(attrs)
         return attrs
