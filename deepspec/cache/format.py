@@ -81,13 +81,37 @@ def encode_hidden(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.ndarray |
     return q.view(torch.uint8).cpu().numpy(), scale.squeeze(-1).cpu().numpy().astype(np.float32)
 
 
-def decode_hidden(bits: np.ndarray, scale: np.ndarray | None, dtype: str) -> torch.Tensor:
-    """Stored bits -> bfloat16 tensor [T, H] (8-bit values are dequantised with their scale)."""
-    t = torch.from_numpy(np.ascontiguousarray(bits))
+_FP8_LUT: dict[str, np.ndarray] = {}
+
+
+def _fp8_tables() -> tuple[np.ndarray, np.ndarray]:
+    """float32 value of every fp8 byte, and of every byte pair (as one uint64 of two float32s).
+    A table gather is ~5x faster than torch's fp8 -> float cast on CPU, and exact."""
+    if not _FP8_LUT:
+        one = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+        i = np.arange(1 << 16)
+        _FP8_LUT["one"] = one
+        _FP8_LUT["pair"] = np.ascontiguousarray(np.stack([one[i & 255], one[i >> 8]], axis=1)).view(np.uint64).ravel()
+    return _FP8_LUT["one"], _FP8_LUT["pair"]
+
+
+def decode_hidden(bits: np.ndarray, scale: np.ndarray | None, dtype: str,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Stored bits -> bfloat16 tensor [T, H] (8-bit values are dequantised with their scale, in
+    float32, then rounded once to bfloat16). With `out`, the result is written there."""
+    bits = np.ascontiguousarray(bits)
     if dtype == "bfloat16":
-        return t.view(torch.bfloat16)
-    x = t.view(torch.float8_e4m3fn).float() * torch.from_numpy(np.ascontiguousarray(scale)).unsqueeze(-1)
-    return x.to(torch.bfloat16)
+        t = torch.from_numpy(bits).view(torch.bfloat16)
+        return t if out is None else out.copy_(t)
+    one, pair = _fp8_tables()
+    x = np.empty(bits.shape, dtype=np.float32)
+    if bits.ndim == 2 and bits.shape[1] % 2 == 0:
+        np.take(pair, bits.view(np.uint16), out=x.view(np.uint64), mode="clip")
+    else:
+        np.take(one, bits, out=x, mode="clip")
+    np.multiply(x, np.asarray(scale, dtype=np.float32).reshape(-1, *([1] * (bits.ndim - 1))), out=x)
+    t = torch.from_numpy(x)
+    return t.to(torch.bfloat16) if out is None else out.copy_(t)
 
 
 def sample_id_to_int(sample_id: str) -> int:

@@ -63,7 +63,7 @@ class TargetCacheDataset(Dataset):
         for k, layer in enumerate(layers):
             bits = r.read_array(part, hidden_name(layer), start, stop)
             scale = r.read_array(part, scale_name(layer), start, stop)
-            out[k] = decode_hidden(bits, scale, self.dtype)
+            decode_hidden(bits, scale, self.dtype, out=out[k])
         return out
 
     def __getitem__(self, index: int) -> dict:
