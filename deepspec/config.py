@@ -144,6 +144,7 @@ class EvalConfig:
     max_prompts: int = _f(40, ge=1)
     max_new_tokens: int = _f(64, ge=1)
     sample: bool = True
+    confidence_threshold: float = _f(0.0, ge=0.0, le=1.0)
     threads: int = _f(0, ge=0)
 
 

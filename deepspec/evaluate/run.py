@@ -5,6 +5,9 @@
     accept_rate@k    #{rounds with more than k accepted} / #{rounds that proposed more than k}
     mean_proposal    mean number of draft tokens verified per round
     speedup          tokens/s of speculative decoding / tokens/s of plain decoding (greedy)
+    confidence       (drafts with a confidence head) the predicted prefix acceptance of every
+                     verified slot against the outcome: mean prediction, observed rate, Brier
+                     score, expected calibration error (10 bins) and AUROC
 Per-prompt rows keep the numbers of every prompt; `per_task` groups tau by the split's task.
 """
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -75,7 +79,34 @@ def round_metrics(results: list[Result], block: int) -> dict:
         proposed = sum(r.proposed > k for r in rounds)
         if proposed:
             out[f"accept_rate@{k}"] = round(sum(r.accepted > k for r in rounds) / proposed, 4)
+    pred = [c for r in rounds for c in r.confidence]
+    if pred:
+        out["confidence"] = confidence_metrics(np.array(pred), np.array([y for r in rounds for y in r.prefix_accepted]))
     return out
+
+
+def confidence_metrics(pred: np.ndarray, label: np.ndarray, bins: int = 10) -> dict:
+    """Calibration of predicted probabilities against 0/1 outcomes."""
+    label = label.astype(np.float64)
+    which = np.minimum((pred * bins).astype(int), bins - 1)
+    ece = sum(abs(pred[which == b].mean() - label[which == b].mean()) * (which == b).sum()
+              for b in range(bins) if (which == b).any()) / len(pred)
+    return {"slots": int(len(pred)), "pred_mean": round(float(pred.mean()), 4),
+            "observed": round(float(label.mean()), 4), "brier": round(float(((pred - label) ** 2).mean()), 4),
+            "ece": round(float(ece), 4), "auc": auroc(pred, label)}
+
+
+def auroc(score: np.ndarray, label: np.ndarray) -> float | None:
+    """P(score of a random positive > score of a random negative), ties counting half (Mann-Whitney)."""
+    pos, neg = int(label.sum()), int(len(label) - label.sum())
+    if not pos or not neg:
+        return None
+    order = np.argsort(score, kind="stable")
+    ranks = np.empty(len(score))
+    ranks[order] = np.arange(1, len(score) + 1)
+    _, inverse, counts = np.unique(score, return_inverse=True, return_counts=True)
+    ranks = (np.bincount(inverse, ranks) / counts)[inverse]  # average rank within ties
+    return round(float((ranks[label == 1].sum() - pos * (pos + 1) / 2) / (pos * neg)), 4)
 
 
 def load_models(target_dir: Path, draft_dir: Path, device: torch.device):
@@ -101,7 +132,7 @@ def evaluate(target_dir: Path, draft_dir: Path, prompts: list[dict], cfg: EvalCo
     if draft.config.target.get("id") and draft.config.target != json.loads((target_dir / "identity.json").read_text()):
         raise PromptError(f"{draft_dir}: the draft was trained against another target "
                           f"({draft.config.target.get('id')})")
-    dec = SpecDecoder(target, draft, stop, device)
+    dec = SpecDecoder(target, draft, stop, device, confidence_threshold=cfg.confidence_threshold)
     greedy = Warp()
     sampled = Warp.from_sampling(sampling, greedy=False)
     do_sample = cfg.sample and not sampled.greedy

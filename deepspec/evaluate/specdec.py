@@ -7,6 +7,12 @@ that matches the target's argmax, sampling accepts d_i with probability min(1, p
 first rejection resamples from norm(max(0, p - q)); either way the round adds one token from the
 target (correction or bonus). The target cache is cropped back to the committed tokens.
 Greedy speculative output is token-for-token the plain greedy output.
+
+A draft with a confidence head also predicts, per slot, the probability that the slot is accepted
+given the earlier ones; their running product is the predicted acceptance of the prefix. With a
+`confidence_threshold` > 0 the block is cut before the first slot whose prefix prediction falls
+below it (fewer wasted verify positions; the output is unchanged). Every round keeps the prefix
+predictions of the slots it verified, so the head's calibration can be measured against outcomes.
 """
 from __future__ import annotations
 
@@ -63,6 +69,12 @@ class Round:
     proposed: int
     accepted: int
     bonus: bool     # the round also committed the target's own token (not after an accepted stop)
+    confidence: list[float] = field(default_factory=list)  # predicted prefix acceptance per verified slot
+
+    @property
+    def prefix_accepted(self) -> list[bool]:
+        """Observed outcome for each slot in `confidence`: was the whole prefix up to it accepted."""
+        return [i < self.accepted for i in range(len(self.confidence))]
 
     @property
     def acceptance_length(self) -> int:
@@ -78,7 +90,11 @@ class Result:
 
 
 class SpecDecoder:
-    def __init__(self, target, draft, stop_ids: set[int], device: torch.device | str = "cpu"):
+    def __init__(self, target, draft, stop_ids: set[int], device: torch.device | str = "cpu",
+                 confidence_threshold: float = 0.0):
+        if not 0.0 <= confidence_threshold <= 1.0:
+            raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
+        self.confidence_threshold = confidence_threshold
         self.target = target.eval()
         self.draft = draft.eval()
         self.stop_ids = set(stop_ids)
@@ -115,22 +131,28 @@ class SpecDecoder:
     # ---- speculative decoding ------------------------------------------------------------------
     @torch.no_grad()
     def _propose(self, dcache: DynamicCache, ctx_new: torch.Tensor, ctx_pos: torch.Tensor, cur: int, cur_pos: int,
-                 warp: Warp, gen) -> tuple[list[int], torch.Tensor]:
+                 warp: Warp, gen) -> tuple[list[int], torch.Tensor, list[float] | None]:
+        """γ draft tokens, their proposal distributions, and the predicted prefix acceptances."""
         d = self.draft
         dtype = d.fc.weight.dtype
         ctx = d.context(ctx_new.to(dtype))[None]
         h = d.block_states(torch.tensor([[cur]], device=self.device), torch.tensor([[cur_pos]], device=self.device),
                            ctx, ctx_pos[None], mask=None, cache=dcache)[0, 0]     # [γ, H]
         base = d.lm_head(h).float()
-        tokens, qs, prev = [], [], cur
+        tokens, qs, conf, prev = [], [], [], cur
         for k in range(d.config.block_size):  # sequential only through the Markov head's previous token
-            bias = d.markov_bias(torch.tensor([prev], device=self.device))
+            prev_t = torch.tensor([prev], device=self.device)
+            bias = d.markov_bias(prev_t)
             q = warp.probs(base[k] + (bias[0].float() if bias is not None else 0.0))
+            c = d.confidence(h[k:k + 1], prev_t)
+            if c is not None:
+                conf.append(float(torch.sigmoid(c[0])))
             tok = warp.sample(q, gen)
             tokens.append(tok)
             qs.append(q)
             prev = tok
-        return tokens, torch.stack(qs)
+        prefix = torch.tensor(conf).cumprod(0).tolist() if conf else None
+        return tokens, torch.stack(qs), prefix
 
     @torch.no_grad()
     def speculative(self, prompt: list[int], max_new: int, warp: Warp, seed: int = 0) -> Result:
@@ -145,7 +167,9 @@ class SpecDecoder:
         result = Result(out, 0.0)
         while cur not in self.stop_ids and len(out) < max_new:
             cur_pos = len(prompt) + len(out) - 1
-            drafts, q = self._propose(dcache, ctx_new, ctx_pos, cur, cur_pos, warp, gen)
+            drafts, q, prefix = self._propose(dcache, ctx_new, ctx_pos, cur, cur_pos, warp, gen)
+            if prefix is not None and self.confidence_threshold > 0:
+                drafts = drafts[:next((i for i, c in enumerate(prefix) if c < self.confidence_threshold), len(prefix))]
             drafts = drafts[:max_new - len(out)]  # never verify past the token budget
             logits, feats = self._target([cur, *drafts], tcache, capture=True)
             p = warp.probs(logits)                                                  # row j predicts token j+1
@@ -178,7 +202,9 @@ class SpecDecoder:
             ctx_new = feats[:accepted + 1]
             ctx_pos = torch.arange(cur_pos, cur_pos + accepted + 1, device=self.device)
             bonus = nxt is not None and len(out) < max_new
-            result.rounds.append(Round(len(drafts), accepted, bonus))
+            # slots after an accepted stop token were never judged: no outcome to compare with
+            judged = accepted if any(t in self.stop_ids for t in kept) else len(drafts)
+            result.rounds.append(Round(len(drafts), accepted, bonus, (prefix or [])[:judged]))
             if not bonus:
                 break
             out.append(nxt)

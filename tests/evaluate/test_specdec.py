@@ -2,13 +2,14 @@
 import collections
 import json
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from deepspec.config import EvalConfig, SamplingConfig
 from deepspec.data.template import encode_prompt
-from deepspec.evaluate.run import PromptError, evaluate, load_prompts, round_metrics
+from deepspec.evaluate.run import PromptError, auroc, confidence_metrics, evaluate, load_prompts, round_metrics
 from deepspec.evaluate.specdec import Result, Round, SpecDecoder, Warp
 from deepspec.models.draft import DraftConfig, DraftModel
 from tests.conftest import SAMPLE_CONVERSATIONS
@@ -46,6 +47,41 @@ def test_a_random_draft_gives_tau_near_one(trained_target):
     dec = SpecDecoder(target, random_draft(target, [0, 2], 4, seed=3), {tok.eos_token_id})
     results = [dec.speculative(ids, 30, Warp()) for ids in prompts_of(tok)]
     assert round_metrics(results, 4)["tau"] < 1.3
+
+
+def test_confidence_threshold_cuts_blocks_without_changing_the_output(trained_target):
+    tok = AutoTokenizer.from_pretrained(trained_target)
+    target = AutoModelForCausalLM.from_pretrained(trained_target)
+    draft = random_draft(target, [0, 2], 5)
+    full = SpecDecoder(target, draft, {tok.eos_token_id})
+    for ids in prompts_of(tok, 6):
+        plain = full.plain(ids, 24, Warp())
+        ref = full.speculative(ids, 24, Warp())
+        assert all(len(r.confidence) == r.proposed for r in ref.rounds[:-1])  # uncut: every verified slot
+        assert all(a >= b for r in ref.rounds for a, b in zip(r.confidence, r.confidence[1:]))  # a running product
+        for threshold in (0.3, 1.0):
+            spec = SpecDecoder(target, draft, {tok.eos_token_id}, confidence_threshold=threshold).speculative(ids, 24, Warp())
+            assert spec.tokens == plain.tokens
+            assert all(c >= threshold for r in spec.rounds for c in r.confidence)
+            if threshold == 1.0:  # no slot is ever certain: every round is a plain target step
+                assert all(r.proposed == 0 and r.acceptance_length <= 1 for r in spec.rounds)
+    with pytest.raises(ValueError, match="confidence_threshold"):
+        SpecDecoder(target, draft, {tok.eos_token_id}, confidence_threshold=1.5)
+
+
+def test_confidence_calibration_metrics():
+    res = Result(tokens=[1] * 6, seconds=1.0, rounds=[
+        Round(proposed=3, accepted=1, bonus=True, confidence=[0.9, 0.6, 0.3]),
+        Round(proposed=2, accepted=2, bonus=True, confidence=[0.8, 0.5])])
+    assert res.rounds[0].prefix_accepted == [True, False, False]
+    c = round_metrics([res], 3)["confidence"]
+    assert c["slots"] == 5 and c["observed"] == pytest.approx(3 / 5) and c["pred_mean"] == pytest.approx(0.62)
+    assert c["auc"] == pytest.approx(5 / 6, abs=1e-4)   # only the 0.6 negative outranks a positive (0.5)
+    assert c["brier"] == pytest.approx((0.01 + 0.36 + 0.09 + 0.04 + 0.25) / 5, abs=1e-4)
+    assert auroc(np.array([0.5, 0.5]), np.array([1, 0])) == 0.5 and auroc(np.array([0.2]), np.array([1])) is None
+    perfect = confidence_metrics(np.array([0.0, 1.0, 1.0]), np.array([0, 1, 1]))
+    assert perfect["ece"] == 0 and perfect["brier"] == 0 and perfect["auc"] == 1.0
+    assert "confidence" not in round_metrics([Result([1], 1.0, [Round(2, 1, True)])], 2)  # DFlash: no head
 
 
 def test_round_metrics_follow_the_reference_definitions():
