@@ -20,7 +20,7 @@ from deepspec.cache.reader import CacheReader, ChecksumError
 from deepspec.cache.verify import verify
 from deepspec.cache.writer import CacheWriter
 from deepspec.config import CacheConfig, ConfigError
-from tests.conftest import REPO, SAMPLE_CONVERSATIONS, project_env
+from tests.conftest import REPO, SAMPLE_CONVERSATIONS, clone_project, project_env, run
 
 LAYERS = [-1, 0, 2]
 
@@ -292,3 +292,48 @@ def test_cache_stage_writes_to_s3_and_refuses_a_foreign_store(tmp_path, trained_
     with pytest.raises(CacheFormatError, match=r"layers: store has \[-1, 0, 2\], expected \[0\]"):
         build_cache(cfg, [0], work / "data/regen/train.jsonl", work / "data/target")
     assert CacheReader(url, moto.storage_options).layers == LAYERS  # nothing was pruned
+
+
+LOCAL_OUT = "      - data/cache.zarr:"
+S3_OUT = """      - ${cache.url}:
+          cache: false
+          persist: true"""
+
+
+@pytest.mark.slow
+def test_dvc_tracks_an_s3_cache_declared_cache_false(tmp_path, trained_target, moto):
+    """The GPU recipe's dvc.yaml edit for a cache on S3, run through DVC against moto."""
+    recipe = (REPO / "docs/gpu-recipe.md").read_text()
+    assert S3_OUT in recipe, "docs/gpu-recipe.md must show the exact edit this test makes"
+    repo = clone_project(tmp_path / "repo")
+    dvc_yaml = (repo / "dvc.yaml").read_text()
+    start = dvc_yaml.index(LOCAL_OUT)
+    end = dvc_yaml.index("persist: true", start) + len("persist: true")
+    (repo / "dvc.yaml").write_text(dvc_yaml[:start] + S3_OUT + dvc_yaml[end:])
+    bucket = moto.bucket("dvc-external")
+    url = f"s3://{bucket}/lake/cache.zarr"
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["layers"] = LAYERS
+    params["cache"].update(url=url, part_tokens=200)
+    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+    workdir(tmp_path, trained_target, regen_rows(12))
+    shutil.copytree(tmp_path / "work" / "data", repo / "data", dirs_exist_ok=True)
+    # one endpoint setting that DVC, s3fs and boto3 all read
+    env = project_env(repo, **moto.env, AWS_ENDPOINT_URL=moto.endpoint)
+
+    out = run(["dvc", "repro", "-s", "cache"], repo, env).stdout
+    assert "Running stage 'cache'" in out
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["cache"]
+    tracked = {o["path"]: o for o in lock["outs"]}
+    assert tracked[url]["md5"].endswith(".dir") and tracked[url]["nfiles"] > 10
+    assert not (repo / "data/cache.zarr").exists()
+    assert CacheReader(url, moto.storage_options).lengths().size == 12
+    assert "up to date" in run(["dvc", "status", "cache"], repo, env).stdout
+    assert "Running stage" not in run(["dvc", "repro", "-s", "cache"], repo, env).stdout
+
+    # DVC notices a change made to the store behind its back
+    s3 = moto.client()
+    key = next(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="lake/cache.zarr/parts/")["Contents"]
+               if o["Key"].endswith("input_ids/c/0"))
+    s3.delete_object(Bucket=bucket, Key=key)
+    assert "modified" in run(["dvc", "status", "cache"], repo, env).stdout
