@@ -1,7 +1,9 @@
-"""The `split` stage: normalise a source, reject bad rows with reasons, split train/eval by id hash.
+"""The `split` stage: normalise a source, reject bad rows with reasons, split train/eval by hash.
 
-A row's side (train or eval) depends only on its content id and `split.seed`, so growing the
-source never moves an existing row; outputs keep source order, so new rows land at the end.
+A row's side (train or eval) depends only on its opening user message and `split.seed`, so growing
+the source never moves an existing row, and conversations that open with the same prompt (real
+corpora repeat prompts with different answers) land on the same side: no eval prompt is also a
+train prompt. Outputs keep source order, so new rows land at the end.
 """
 from __future__ import annotations
 
@@ -20,8 +22,14 @@ from deepspec.io import atomic_open, hash_unit, write_json
 log = logging.getLogger(__name__)
 
 
-def is_eval(row_id: str, cfg: SplitConfig) -> bool:
-    return hash_unit("split", cfg.seed, row_id) < cfg.test_fraction
+def prompt_key(turns: list[dict]) -> str:
+    """The opening user message, case- and whitespace-normalised: the unit the split assigns."""
+    first = next(t["content"] for t in turns if t["role"] == "user")
+    return " ".join(first.casefold().split())
+
+
+def is_eval(turns: list[dict], cfg: SplitConfig) -> bool:
+    return hash_unit("split", cfg.seed, prompt_key(turns)) < cfg.test_fraction
 
 
 @dataclass
@@ -67,7 +75,7 @@ def split_rows(cfg: SplitConfig) -> SplitResult:
         seen.add(row_id)
         task = str(raw.row.get("task") or raw.row.get("category") or "unknown")
         source = str(raw.row.get("source") or default_source)
-        if is_eval(row_id, cfg):
+        if is_eval(turns, cfg):
             row = {"id": row_id, "task": task, "source": source, "turns": user_turns(turns)}
             if (sp := system_prompt(turns)) is not None:
                 row["system"] = sp

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from deepspec.config import TinyTargetConfig
+from deepspec.data.split import prompt_key
 from deepspec.data.template import encode_conversation
 from deepspec.io import hash_unit
 
@@ -138,8 +139,9 @@ def train_tiny(cfg: TinyTargetConfig, rows: list[dict], seed: int, out_dir: Path
     t0 = time.time()
     random.seed(seed)
     torch.manual_seed(seed)
-    held = [r for r in rows if hash_unit("tiny-heldout", seed, r["id"]) < cfg.heldout_fraction]
-    train = [r for r in rows if hash_unit("tiny-heldout", seed, r["id"]) >= cfg.heldout_fraction]
+    # held out by prompt, like the split: a prompt seen in training would flatter the held-out loss
+    held = [r for r in rows if hash_unit("tiny-heldout", seed, prompt_key(r["conversations"])) < cfg.heldout_fraction]
+    train = [r for r in rows if hash_unit("tiny-heldout", seed, prompt_key(r["conversations"])) >= cfg.heldout_fraction]
     tokenizer = build_tokenizer([conversation_text(r["conversations"]) for r in train], cfg.vocab_size)
     config = build_config(cfg, tokenizer)
     model = Qwen3ForCausalLM(config)

@@ -7,7 +7,7 @@ from deepspec.config import ConfigError, SplitConfig
 from deepspec.data.builtin import builtin_chat_rows, number_words
 from deepspec.data.conversation import RowRejected, normalize_conversation
 from deepspec.data.sources import SourceError
-from deepspec.data.split import run_split, split_rows
+from deepspec.data.split import prompt_key, run_split, split_rows
 
 
 def conv(*pairs, system=None):
@@ -119,6 +119,15 @@ def test_split_is_deterministic_and_seeded(tmp_path):
     assert {r["id"] for r in a.eval} != {r["id"] for r in c.eval}
     assert 0 < len(a.eval) < 40
     assert all("turns" in r and "conversations" not in r for r in a.eval)
+
+
+def test_rows_sharing_a_prompt_share_a_side():
+    res = split_rows(SplitConfig(source="builtin:chat", seed=0, test_fraction=0.05))
+    train_prompts = {prompt_key(r["conversations"]) for r in res.train}
+    eval_prompts = {" ".join(r["turns"][0].casefold().split()) for r in res.eval}
+    assert len(res.eval) > 50 and not eval_prompts & train_prompts
+    # the corpus does repeat prompts with other answers, so grouping is doing work here
+    assert len(train_prompts) < len(res.train)
 
 
 def test_growth_never_moves_existing_rows(tmp_path):
