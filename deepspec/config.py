@@ -53,6 +53,7 @@ class TinyTargetConfig:
     warmup_steps: int = _f(20, ge=0)
     weight_decay: float = _f(0.0, ge=0.0)
     pretrain_weight: float = _f(0.3, ge=0.0, le=1.0)
+    synthetic_rows: int = _f(0, ge=0)
     heldout_fraction: float = _f(0.05, gt=0.0, lt=1.0)
     threads: int = _f(0, ge=0)
 

@@ -2,7 +2,7 @@
 import json
 from pathlib import Path
 
-from deepspec.data.split import builtin_train_rows
+from deepspec.data.split import builtin_synthetic_rows, builtin_train_rows
 from deepspec.models.target import TargetError, prepare_target
 from deepspec.stage import StageError, configure_threads, run_stage
 
@@ -12,8 +12,11 @@ def main(params):
     try:
         # `layers` is checked here only as a courtesy (before minutes of training); the stage
         # does not depend on it, so `dvc exp run -S layers=...` never retrains the target.
-        ident = prepare_target(params.target, params.layers, lambda: builtin_train_rows(params.split),
-                               Path("data/target"))
+        def corpus():
+            return builtin_train_rows(params.split) + builtin_synthetic_rows(params.split,
+                                                                            params.target.tiny.synthetic_rows)
+
+        ident = prepare_target(params.target, params.layers, corpus, Path("data/target"))
     except TargetError as e:
         raise StageError(str(e)) from None
     print(json.dumps(ident, indent=2))

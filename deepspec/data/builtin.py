@@ -190,9 +190,10 @@ def _instruction(rng: random.Random) -> list[tuple[str, str]]:
 _GENERATORS = {"math": _math, "code": _code, "instruction": _instruction}
 
 
-def generated_rows(sizes: dict[str, int] = SIZES) -> Iterator[dict]:
-    """`sizes[task]` distinct conversations per task (the generators repeat themselves otherwise)."""
-    rng = random.Random(GENERATOR_SEED)
+def generated_rows(sizes: dict[str, int] = SIZES, seed: int = GENERATOR_SEED) -> Iterator[dict]:
+    """`sizes[task]` distinct conversations per task (the generators repeat themselves otherwise).
+    The default seed gives the packaged corpus; other seeds give fresh rows from the same generators."""
+    rng = random.Random(seed)
     for task, n in sizes.items():
         seen: set[tuple] = set()
         for _ in range(50 * n):

@@ -139,9 +139,13 @@ def train_tiny(cfg: TinyTargetConfig, rows: list[dict], seed: int, out_dir: Path
     t0 = time.time()
     random.seed(seed)
     torch.manual_seed(seed)
-    # held out by prompt, like the split: a prompt seen in training would flatter the held-out loss
-    held = [r for r in rows if hash_unit("tiny-heldout", seed, prompt_key(r["conversations"])) < cfg.heldout_fraction]
-    train = [r for r in rows if hash_unit("tiny-heldout", seed, prompt_key(r["conversations"])) >= cfg.heldout_fraction]
+    # held out by prompt, like the split: a prompt seen in training would flatter the held-out loss.
+    # Extra synthetic rows only ever train; those whose prompt would be held out are dropped.
+    def held_out(r: dict) -> bool:
+        return hash_unit("tiny-heldout", seed, prompt_key(r["conversations"])) < cfg.heldout_fraction
+
+    held = [r for r in rows if held_out(r) and not r.get("source", "").startswith("synthetic/")]
+    train = [r for r in rows if not held_out(r)]
     tokenizer = build_tokenizer([conversation_text(r["conversations"]) for r in train], cfg.vocab_size)
     config = build_config(cfg, tokenizer)
     model = Qwen3ForCausalLM(config)

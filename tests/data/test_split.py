@@ -7,7 +7,7 @@ from deepspec.config import ConfigError, SplitConfig
 from deepspec.data.builtin import builtin_chat_rows, number_words
 from deepspec.data.conversation import RowRejected, normalize_conversation
 from deepspec.data.sources import SourceError
-from deepspec.data.split import prompt_key, run_split, split_rows
+from deepspec.data.split import builtin_synthetic_rows, prompt_key, run_split, split_rows
 
 
 def conv(*pairs, system=None):
@@ -128,6 +128,16 @@ def test_rows_sharing_a_prompt_share_a_side():
     assert len(res.eval) > 50 and not eval_prompts & train_prompts
     # the corpus does repeat prompts with other answers, so grouping is doing work here
     assert len(train_prompts) < len(res.train)
+
+
+def test_synthetic_rows_for_the_builtin_target_never_hold_an_eval_prompt():
+    cfg = SplitConfig(source="builtin:chat", seed=0, test_fraction=0.05)
+    extra = builtin_synthetic_rows(cfg, 1500)
+    assert 1300 < len(extra) <= 1500 and extra == builtin_synthetic_rows(cfg, 1500)
+    assert {r["source"] for r in extra} == {"synthetic/math", "synthetic/code", "synthetic/instruction"}
+    eval_prompts = {" ".join(r["turns"][0].casefold().split()) for r in split_rows(cfg).eval}
+    assert not eval_prompts & {prompt_key(r["conversations"]) for r in extra}
+    assert builtin_synthetic_rows(cfg, 0) == []
 
 
 def test_growth_never_moves_existing_rows(tmp_path):
