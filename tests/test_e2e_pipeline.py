@@ -102,7 +102,7 @@ def test_greedy_speculative_equals_plain_on_every_eval_prompt(pipeline):
         "print(json.dumps({'n': len(rows), 'match': sum(r['greedy_match'] for r in rows), 'tau': m['tau']}))\n")
     out = run(["python", "-c", code], pipeline).stdout.strip().splitlines()[-1]
     res = json.loads(out)
-    assert res["n"] >= 100 and res["match"] == res["n"], res
+    assert res["n"] >= 80 and res["match"] == res["n"], res  # every distinct eval prompt
 
 
 def test_share_through_the_remote(pipeline, remote, moto, tmp_path):

@@ -33,8 +33,10 @@ class PromptError(ValueError):
 
 
 def load_prompts(path: Path, limit: int) -> list[dict]:
-    """Rows with `turns` (our split's eval file or the reference's eval JSONL); first turn is used."""
-    rows = []
+    """Rows with `turns` (our split's eval file or the reference's eval JSONL); first turn is used.
+    A prompt repeated in the file (same system prompt and same first turn up to case and
+    whitespace) is evaluated once, so it does not weigh twice in the metrics."""
+    rows, seen = [], set()
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -46,6 +48,10 @@ def load_prompts(path: Path, limit: int) -> list[dict]:
             turns = row.get("turns") if isinstance(row, dict) else None
             if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
                 raise PromptError(f"{path}:{lineno}: field 'turns' must be a non-empty list of strings")
+            key = (row.get("system"), " ".join(turns[0].casefold().split()))
+            if key in seen:
+                continue
+            seen.add(key)
             rows.append({"id": str(row.get("id", lineno)), "task": str(row.get("task", "unknown")),
                          "system": row.get("system"), "prompt": turns[0]})
     if not rows:

@@ -162,6 +162,9 @@ def test_prompts_file_errors_name_the_line(tmp_path):
     f.write_text('{"turns": ["a"], "task": "x"}\n{"turns": ["b"], "task": "y"}\n{"turns": ["c"], "task": "x"}\n')
     assert [p["prompt"] for p in load_prompts(f, 10)] == ["a", "b", "c"]
     assert [p["task"] for p in load_prompts(f, 2)] == ["x", "y"]  # a prefix covers every task
+    f.write_text('{"turns": ["Hi  there"], "id": "1"}\n{"turns": ["hi there", "more"], "id": "2"}\n'
+                 '{"turns": ["hi there"], "system": "Be brief.", "id": "3"}\n')
+    assert [p["id"] for p in load_prompts(f, 10)] == ["1", "3"]  # a repeated prompt counts once
 
 
 def test_evaluate_writes_reference_metrics(tmp_path, trained_target):
