@@ -170,6 +170,8 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
     first = 1 + max((int(n[1:]) for n in existing), default=-1)
     plan = plan_parts(pending, part_tokens_for(cfg, ident["hidden_size"]), first)
     mine = plan[rank * len(plan) // world:(rank + 1) * len(plan) // world]  # a contiguous sample range
+    if barrier:
+        barrier()  # every rank plans from the same store snapshot, before any rank commits a part
     log.info("cache: %d rows, %d usable, %d already cached, %d parts to write (%d on this rank)",
              len(rows), len(samples), len(done), len(plan), len(mine))
 
