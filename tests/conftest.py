@@ -195,3 +195,14 @@ def small_cache(tmp_path_factory, trained_target) -> Path:
             f.write(json.dumps({"id": f"{i + 1:016x}", "conversations": conv}) + "\n")
     build_cache(CacheConfig(url=str(root / "cache.zarr"), part_tokens=400), [-1, 0, 2], regen, trained_target)
     return root / "cache.zarr"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The end-to-end workflow timings, in every run's output (CI logs included), not only with -s."""
+    import json
+
+    e2e = next((m for name, m in sys.modules.items() if name.endswith("test_e2e_pipeline")), None)
+    if e2e is not None and getattr(e2e, "TIMINGS", None):
+        terminalreporter.write_sep("-", "data-lake workflow timings (s) and facts")
+        terminalreporter.write_line(json.dumps({k: round(v, 1) if isinstance(v, float) else v
+                                                for k, v in e2e.TIMINGS.items()}))

@@ -42,9 +42,7 @@ def pipeline(tmp_path_factory):
         assert f"Running stage '{stage}'" in out
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "pipeline outputs")
-    yield repo
-    print("\nworkflow timings (s) and facts:",
-          json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in TIMINGS.items()}, indent=1))
+    yield repo  # tests/conftest.py prints TIMINGS in pytest's terminal summary
 
 
 @pytest.fixture(scope="module")
