@@ -60,6 +60,11 @@ def conversation_id(turns: list[dict]) -> str:
     return hashlib.sha256(canonical_json(turns).encode()).hexdigest()[:16]
 
 
+def normalize_prompt(text: str) -> str:
+    """Case- and whitespace-insensitive form of a prompt, for telling repeated prompts apart."""
+    return " ".join(text.casefold().split())
+
+
 def user_turns(turns: list[dict]) -> list[str]:
     return [t["content"] for t in turns if t["role"] == "user"]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from deepspec.config import SplitConfig
 from deepspec.data.conversation import (RowRejected, conversation_id, normalize_conversation,
-                                        system_prompt, user_turns)
+                                        normalize_prompt, system_prompt, user_turns)
 from deepspec.data.sources import iter_source
 from deepspec.io import atomic_open, hash_unit, write_json
 
@@ -24,8 +24,7 @@ log = logging.getLogger(__name__)
 
 def prompt_key(turns: list[dict]) -> str:
     """The opening user message, case- and whitespace-normalised: the unit the split assigns."""
-    first = next(t["content"] for t in turns if t["role"] == "user")
-    return " ".join(first.casefold().split())
+    return normalize_prompt(next(t["content"] for t in turns if t["role"] == "user"))
 
 
 def is_eval(turns: list[dict], cfg: SplitConfig) -> bool:

@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from deepspec.config import EvalConfig, SamplingConfig
+from deepspec.data.conversation import normalize_prompt
 from deepspec.data.template import encode_prompt
 from deepspec.evaluate.specdec import Result, SpecDecoder, Warp
 
@@ -48,7 +49,7 @@ def load_prompts(path: Path, limit: int) -> list[dict]:
             turns = row.get("turns") if isinstance(row, dict) else None
             if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
                 raise PromptError(f"{path}:{lineno}: field 'turns' must be a non-empty list of strings")
-            key = (row.get("system"), " ".join(turns[0].casefold().split()))
+            key = (row.get("system"), normalize_prompt(turns[0]))
             if key in seen:
                 continue
             seen.add(key)

@@ -5,7 +5,7 @@ import pytest
 
 from deepspec.config import ConfigError, SplitConfig
 from deepspec.data.builtin import builtin_chat_rows, number_words
-from deepspec.data.conversation import RowRejected, normalize_conversation
+from deepspec.data.conversation import RowRejected, normalize_conversation, normalize_prompt
 from deepspec.data.sources import SourceError
 from deepspec.data.split import builtin_synthetic_rows, prompt_key, run_split, split_rows
 
@@ -124,7 +124,7 @@ def test_split_is_deterministic_and_seeded(tmp_path):
 def test_rows_sharing_a_prompt_share_a_side():
     res = split_rows(SplitConfig(source="builtin:chat", seed=0, test_fraction=0.05))
     train_prompts = {prompt_key(r["conversations"]) for r in res.train}
-    eval_prompts = {" ".join(r["turns"][0].casefold().split()) for r in res.eval}
+    eval_prompts = {normalize_prompt(r["turns"][0]) for r in res.eval}
     assert len(res.eval) > 50 and not eval_prompts & train_prompts
     # the corpus does repeat prompts with other answers, so grouping is doing work here
     assert len(train_prompts) < len(res.train)
@@ -135,7 +135,7 @@ def test_synthetic_rows_for_the_builtin_target_never_hold_an_eval_prompt():
     extra = builtin_synthetic_rows(cfg, 1500)
     assert 1300 < len(extra) <= 1500 and extra == builtin_synthetic_rows(cfg, 1500)
     assert {r["source"] for r in extra} == {"synthetic/math", "synthetic/code", "synthetic/instruction"}
-    eval_prompts = {" ".join(r["turns"][0].casefold().split()) for r in split_rows(cfg).eval}
+    eval_prompts = {normalize_prompt(r["turns"][0]) for r in split_rows(cfg).eval}
     assert not eval_prompts & {prompt_key(r["conversations"]) for r in extra}
     assert builtin_synthetic_rows(cfg, 0) == []
 
