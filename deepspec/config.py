@@ -53,7 +53,7 @@ class TinyTargetConfig:
     warmup_steps: int = _f(20, ge=0)
     weight_decay: float = _f(0.0, ge=0.0)
     pretrain_weight: float = _f(0.3, ge=0.0, le=1.0)
-    synthetic_rows: int = _f(0, ge=0)
+    synthetic_rows: int = _f(4000, ge=0)
     heldout_fraction: float = _f(0.05, gt=0.0, lt=1.0)
     threads: int = _f(0, ge=0)
 
@@ -68,7 +68,7 @@ class TargetConfig:
 @dataclass
 class SamplingConfig:
     temperature: float = _f(0.7, ge=0.0)
-    top_p: float = _f(0.9, gt=0.0, le=1.0)
+    top_p: float = _f(0.8, gt=0.0, le=1.0)
     top_k: int = _f(20, ge=0)
     min_p: float = _f(0.0, ge=0.0, le=1.0)
     max_tokens: int = _f(64, ge=1)
@@ -119,10 +119,10 @@ class TrainConfig:
     anchors_per_sample: int = _f(16, ge=1)
     batch_size: int = _f(8, ge=1)
     grad_accum: int = _f(1, ge=1)
-    steps: int = _f(300, ge=1)
+    steps: int = _f(3000, ge=1)
     lr: float = _f(3e-3, gt=0.0)
     min_lr_ratio: float = _f(0.1, ge=0.0, le=1.0)
-    warmup_steps: int = _f(20, ge=0)
+    warmup_steps: int = _f(50, ge=0)
     schedule: Literal["cosine", "sgdr", "constant"] = "cosine"
     sgdr_period: int = _f(100, ge=1)
     sgdr_mult: float = _f(2.0, ge=1.0)
@@ -132,7 +132,7 @@ class TrainConfig:
     l1_weight: float = _f(0.9, ge=0.0)
     conf_weight: float = _f(1.0, ge=0.0)
     decay_gamma: float = _f(4.0, gt=0.0)
-    checkpoint_every: int = _f(100, ge=1)
+    checkpoint_every: int = _f(500, ge=1)
     keep_checkpoints: int = _f(2, ge=1)
     num_workers: int = _f(0, ge=0)
     seed: int = _f(0, ge=0)

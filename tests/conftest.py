@@ -69,9 +69,10 @@ SAMPLE_CONVERSATIONS = [
 def make_model_dir(path: Path, num_layers: int = 4, hidden: int = 32, vocab: int = 400, seed: int = 0) -> Path:
     """A small random-weight Qwen3 target with the builtin tokenizer: a real model, seconds to build."""
     import torch
-    from transformers import GenerationConfig, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     from deepspec.config import TinyTargetConfig
+    from deepspec.models.target import default_generation_config
     from deepspec.models.tiny import build_config, build_tokenizer, conversation_text
 
     tok = build_tokenizer([conversation_text(c) for c in SAMPLE_CONVERSATIONS], vocab)
@@ -80,8 +81,7 @@ def make_model_dir(path: Path, num_layers: int = 4, hidden: int = 32, vocab: int
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(build_config(cfg, tok))
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9, top_k=20,
-                                               eos_token_id=eos, pad_token_id=tok.pad_token_id)
+    model.generation_config = default_generation_config(eos, tok.pad_token_id)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tok.save_pretrained(path)

@@ -49,3 +49,35 @@ def test_train_layer_subset_and_int_to_float():
     p = params_from_dict({"layers": [9, 25], "train": {"layers": [25], "lr": 1}})
     assert p.train_layers == [25]
     assert isinstance(p.train.lr, float)
+
+
+def _leaves(raw, default, path=""):
+    """(key path, params.yaml value, dataclass default) for every leaf key params.yaml sets."""
+    import dataclasses
+
+    for key, value in raw.items():
+        here = f"{path}.{key}" if path else key
+        assert hasattr(default, key), f"{here}: in params.yaml but not a field of {type(default).__name__}"
+        sub = getattr(default, key)
+        if dataclasses.is_dataclass(sub):
+            yield from _leaves(value, sub, here)
+        else:
+            yield here, value, sub
+
+
+def test_params_yaml_equals_the_dataclass_defaults():
+    """One source of truth: params.yaml spells out the defaults, it never overrides them."""
+    from deepspec.config import Params
+
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    drift = [f"{key}: params.yaml {value!r} != default {default!r}"
+             for key, value, default in _leaves(raw, Params()) if value != default]
+    assert drift == []
+
+
+def test_sampling_defaults_are_qwen3_non_thinking():
+    """The reference pipeline's and Qwen3's recommended non-thinking sampling."""
+    from deepspec.config import SamplingConfig
+
+    s = SamplingConfig()
+    assert (s.temperature, s.top_p, s.top_k, s.min_p) == (0.7, 0.8, 20, 0.0)

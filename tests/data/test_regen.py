@@ -57,7 +57,7 @@ def test_transformers_body_puts_top_k_in_generation_config():
     body = build_request("transformers", "data/target", [], SamplingConfig(top_k=5, temperature=0.9), 1)
     assert "top_k" not in body
     gen = json.loads(body["generation_config"])
-    assert gen == {"do_sample": True, "max_new_tokens": 64, "temperature": 0.9, "top_k": 5, "top_p": 0.9}
+    assert gen == {"do_sample": True, "max_new_tokens": 64, "temperature": 0.9, "top_k": 5, "top_p": 0.8}
     greedy = json.loads(build_request("transformers", "m", [], SamplingConfig(temperature=0.0), 1)["generation_config"])
     assert greedy == {"do_sample": False, "max_new_tokens": 64}
     plain = build_request("openai", "gpt", [], SamplingConfig(), 1)

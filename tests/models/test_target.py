@@ -14,6 +14,21 @@ def corpus():
     return lambda: [{"id": f"r{i}", "conversations": conv} for i, conv in enumerate(SAMPLE_CONVERSATIONS)]
 
 
+def assert_sampling_defaults(gen):
+    """A model's own generation_config agrees with params.yaml's sampling defaults."""
+    from deepspec.config import SamplingConfig
+
+    s = SamplingConfig()
+    assert (gen.temperature, gen.top_p, gen.top_k) == (s.temperature, s.top_p, s.top_k)
+    assert (gen.min_p or 0.0) == s.min_p
+
+
+def test_test_targets_sample_like_the_defaults(small_model_dir):
+    from transformers import GenerationConfig
+
+    assert_sampling_defaults(GenerationConfig.from_pretrained(small_model_dir))
+
+
 def test_unknown_scheme_is_a_config_error():
     with pytest.raises(ConfigError, match="unknown source 'builtin:huge'"):
         parse_source("builtin:huge")
@@ -116,6 +131,7 @@ def test_builtin_tiny_trains_and_saves_a_loadable_model(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.generation_config.do_sample is True
     assert tok.convert_ids_to_tokens(model.generation_config.eos_token_id) == "<|im_end|>"
+    assert_sampling_defaults(model.generation_config)
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
                                      tokenize=False)
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"  # no injected system turn
