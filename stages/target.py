@@ -3,7 +3,8 @@ import json
 from pathlib import Path
 
 from deepspec.data.split import builtin_synthetic_rows, builtin_train_rows
-from deepspec.models.target import TargetError, prepare_target
+from deepspec.models.prepare import prepare_target
+from deepspec.models.target import TargetError
 from deepspec.stage import StageError, configure_threads, run_stage
 
 

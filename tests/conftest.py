@@ -113,7 +113,7 @@ def write_split(path: Path, conversations=None) -> Path:
 def trained_target(tmp_path_factory) -> Path:
     """A 4-layer builtin-tiny target trained for a few seconds: answers are words, not noise."""
     from deepspec.config import TargetConfig, TinyTargetConfig
-    from deepspec.models.target import prepare_target
+    from deepspec.models.prepare import prepare_target
 
     root = tmp_path_factory.mktemp("trained_target")
     out = root / "target"

