@@ -4,7 +4,9 @@ The mask follows the reference definition: 1 on every assistant content token an
 end-of-turn token that closes it, 0 elsewhere. Spans come from the tokenizer's offset mapping over
 the rendered text (no re-tokenising of pieces), so anything a template adds around the content —
 headers, an empty `<think></think>` block, Gemma-4's thought-channel prefix — stays out of the loss.
-No system prompt is added unless the row has one.
+No system prompt is added unless the row has one. Each content is located right after its own turn's
+markup (found by rendering the conversation once more with markers as contents), so a short answer
+such as `a` never matches inside a header.
 """
 from __future__ import annotations
 
@@ -33,13 +35,43 @@ def render(tokenizer, turns: list[dict], **template_kwargs) -> str:
                                          **template_kwargs)
 
 
+def _marker(i: int) -> str:
+    return f"\u00a7DEEPSPEC-TURN-{i}\u00a7"
+
+
+def turn_markup(tokenizer, turns: list[dict], **template_kwargs) -> list[str]:
+    """The template's own text before each turn's content and after the last one (len(turns) + 1
+    pieces): the same conversation rendered with a unique marker as every content, cut at the markers."""
+    marked = render(tokenizer, [dict(t, content=_marker(i)) for i, t in enumerate(turns)], **template_kwargs)
+    pieces, pos = [], 0
+    for i, turn in enumerate(turns):
+        at = marked.find(_marker(i), pos)
+        if at < 0:
+            raise TemplateError(f"turn {i} ({turn['role']}): the chat template does not render this turn's "
+                                "content verbatim")
+        pieces.append(marked[pos:at])
+        pos = at + len(_marker(i))
+    pieces.append(marked[pos:])
+    return pieces
+
+
+def _expect(text: str, what: str, pos: int) -> int:
+    """Where `what` starts in `text` at `pos`, past whitespace a template left untrimmed; -1 if it does not."""
+    at = text.find(what, pos)
+    return at if at >= 0 and not text[pos:at].strip() else -1
+
+
 def encode_conversation(tokenizer, turns: list[dict], max_length: int | None = None,
                         **template_kwargs) -> Encoded:
     text = render(tokenizer, turns, **template_kwargs)
+    # Walk the text markup, content, markup, content...: each answer is looked for only right after its
+    # own turn's header, never inside markup ("a" is in "<|im_start|>").
+    markup = turn_markup(tokenizer, turns, **template_kwargs)
     spans, pos = [], 0
     for i, turn in enumerate(turns):
         content = turn["content"].strip()
-        at = text.find(content, pos)
+        head = _expect(text, markup[i], pos)
+        at = _expect(text, content, head + len(markup[i])) if head >= 0 else -1
         if at < 0:
             raise TemplateError(f"turn {i} ({turn['role']}): content not found verbatim in the "
                                 "rendered chat template")

@@ -81,14 +81,7 @@ def reference_mask(tok, text: str) -> list[int]:
     return mask
 
 
-@pytest.mark.parametrize("conv", CONVERSATIONS)
-def test_qwen_mask_is_the_reference_definition_minus_documented_deviations(qwen_tokenizer, conv):
-    tok = qwen_tokenizer
-    enc = encode_conversation(tok, conv)
-    text = tok.apply_chat_template(conv, tokenize=False)
-    assert "You are a helpful assistant" not in text  # nothing injected
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    assert enc.input_ids == ids
+def reference_mask_without_deviations(tok, text, ids):
     expected = reference_mask(tok, text)
     think = tok("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
     newline = tok("\n", add_special_tokens=False)["input_ids"]
@@ -100,7 +93,18 @@ def test_qwen_mask_is_the_reference_definition_minus_documented_deviations(qwen_
         # deviation 2: the template's empty think block is not assistant content
         if ids[i:i + len(think)] == think and expected[i]:
             expected[i:i + len(think)] = [0] * len(think)
-    assert enc.loss_mask == expected
+    return expected
+
+
+@pytest.mark.parametrize("conv", CONVERSATIONS)
+def test_qwen_mask_is_the_reference_definition_minus_documented_deviations(qwen_tokenizer, conv):
+    tok = qwen_tokenizer
+    enc = encode_conversation(tok, conv)
+    text = tok.apply_chat_template(conv, tokenize=False)
+    assert "You are a helpful assistant" not in text  # nothing injected
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert enc.input_ids == ids
+    assert enc.loss_mask == reference_mask_without_deviations(tok, text, ids)
     masked = tok.decode([t for t, m in zip(ids, enc.loss_mask) if m])
     answers = [t["content"] + "<|im_end|>" for t in conv if t["role"] == "assistant"]
     assert masked == "".join(answers)
@@ -129,3 +133,41 @@ def test_template_that_rewrites_content_is_an_error(small_model_dir):
                          "+ '<|im_end|>\\n' }}{%- endfor %}")
     with pytest.raises(TemplateError, match="turn 1 \\(assistant\\): content not found verbatim"):
         encode_conversation(tok, [{"role": "user", "content": "HI"}, {"role": "assistant", "content": "hello"}])
+
+
+# One-letter answers that also occur in the template's own markup ("<|im_st(a)rt|>", "(s)ystem",
+# "<(t)hink>"): the mask must cover the answer, never a header token.
+SHORT_ANSWERS = [
+    [{"role": "user", "content": "First letter of the alphabet?"}, {"role": "assistant", "content": "a"}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Plural marker?"},
+     {"role": "assistant", "content": "s"}, {"role": "user", "content": "Pronoun for oneself?"},
+     {"role": "assistant", "content": "I"}],
+    [{"role": "user", "content": "Say t."}, {"role": "assistant", "content": "t"},
+     {"role": "user", "content": "Say k."}, {"role": "assistant", "content": "k"}],
+]
+
+
+def assert_mask_is_exactly_the_answers(tok, conv, enc):
+    masked = [t for t, m in zip(enc.input_ids, enc.loss_mask) if m]
+    assert tok.decode(masked) == "".join(t["content"] + "<|im_end|>" for t in conv if t["role"] == "assistant")
+    header = set(tok("<|im_start|>assistant\n<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"])
+    header |= {tok.convert_tokens_to_ids("<|im_start|>")}
+    answers = set(tok("".join(t["content"] for t in conv if t["role"] == "assistant"),
+                      add_special_tokens=False)["input_ids"])
+    assert not set(masked) & (header - answers)
+
+
+@pytest.mark.parametrize("conv", SHORT_ANSWERS)
+def test_short_answer_is_not_found_inside_template_markup_builtin(small_model_dir, conv):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(small_model_dir)
+    assert_mask_is_exactly_the_answers(tok, conv, encode_conversation(tok, conv))
+
+
+@pytest.mark.parametrize("conv", SHORT_ANSWERS)
+def test_short_answer_is_not_found_inside_template_markup_qwen(qwen_tokenizer, conv):
+    enc = encode_conversation(qwen_tokenizer, conv)
+    assert_mask_is_exactly_the_answers(qwen_tokenizer, conv, enc)
+    text = qwen_tokenizer.apply_chat_template(conv, tokenize=False)
+    assert enc.loss_mask == reference_mask_without_deviations(qwen_tokenizer, text, enc.input_ids)
