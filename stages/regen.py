@@ -4,8 +4,8 @@ import logging
 import os
 from pathlib import Path
 
-from deepspec.data.regen import (Endpoint, Journal, load_rows, model_eos, regen_fingerprint, run_regen, select_rows,
-                                 write_outputs)
+from deepspec.data.regen import (Endpoint, Journal, JournalError, load_rows, model_eos, regen_fingerprint, run_regen,
+                                 select_rows, write_outputs)
 from deepspec.data.servers import ServerError, launch_sglang, launch_transformers_serve
 from deepspec.models.target import load_identity
 from deepspec.stage import StageError, run_stage
@@ -37,7 +37,10 @@ def main(params):
     cfg = params.regen
     rows = select_rows(load_rows(Path("data/split/train.jsonl")), cfg)
     identity = load_identity(TARGET)
-    journal = Journal(OUT / "journal", regen_fingerprint(cfg, params.sampling, identity))
+    try:
+        journal = Journal(OUT / "journal", regen_fingerprint(cfg, params.sampling, identity))
+    except JournalError as e:
+        raise StageError(str(e)) from None
     api_key = os.environ.get(cfg.api_key_env) if cfg.backend == "openai" else None
     servers = []
     try:

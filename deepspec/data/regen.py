@@ -37,6 +37,15 @@ class RequestFailed(RuntimeError):
         self.retryable = retryable
 
 
+class WorkerCrashed(RuntimeError):
+    """A request worker failed with something other than a transport/server fault: a bug, so the
+    stage stops (the cause and its traceback are chained) instead of counting the row as an error."""
+
+
+class JournalError(ValueError):
+    """The journal holds a line that is not a finished row (damaged, not a torn last write)."""
+
+
 # ---- request bodies ------------------------------------------------------------------------------
 
 def request_seed(sampling: SamplingConfig, sample_id: str, turn: int) -> int:
@@ -94,7 +103,11 @@ def parse_response(resp: requests.Response) -> tuple[str, str, int]:
     if not isinstance(content, str):
         raise RequestFailed("no_content", json.dumps(choice)[:200])
     usage = data.get("usage") or {}
-    return content, str(choice.get("finish_reason")), int(usage.get("completion_tokens") or 0)
+    try:
+        tokens = int(usage.get("completion_tokens") or 0)
+    except (TypeError, ValueError, AttributeError):
+        raise RequestFailed("bad_response", f"usage: {json.dumps(usage)[:200]}") from None
+    return content, str(choice.get("finish_reason")), tokens
 
 
 # ---- one sample ----------------------------------------------------------------------------------
@@ -194,8 +207,21 @@ class Journal:
             log.warning("regen journal: dropping a torn last line (%d bytes)", len(data) - good)
             with open(self.rows_path, "r+b") as f:
                 f.truncate(good)
-        for line in data[:good].splitlines():
-            row = json.loads(line)
+        for lineno, line in enumerate(data[:good].split(b"\n")[:-1], 1):
+            # a newline-terminated line was written whole: if it does not parse, the file was damaged
+            # after the fact. Stop and say where rather than re-request (or lose) it silently.
+            try:
+                row = json.loads(line)
+                ok = isinstance(row, dict) and isinstance(row.get("id"), str)
+            except (ValueError, UnicodeDecodeError) as e:
+                ok, why = False, f"not JSON ({e})"
+            else:
+                why = "not a finished row (a JSON object with an \"id\")"
+            if not ok:
+                raise JournalError(
+                    f"{self.rows_path}:{lineno}: corrupt journal line, {why}: {line[:80]!r}. It ends with a "
+                    "newline, so it is not an interrupted write: the file was damaged. Delete that line to "
+                    "have its row regenerated, or delete the directory to regenerate everything.")
             self.done.setdefault(row["id"], row)
 
     def append(self, row: dict) -> None:
@@ -220,6 +246,17 @@ def regen_fingerprint(cfg: RegenConfig, sampling: SamplingConfig, target_identit
                         "disable_thinking": cfg.disable_thinking, "model": cfg.model})
 
 
+def _journal_finished(results: queue.Queue, journal: Journal) -> None:
+    """Keep the answers that were already back when the run stops (no work is thrown away)."""
+    while True:
+        try:
+            kind, payload = results.get_nowait()
+        except queue.Empty:
+            return
+        if kind == "ok":
+            journal.append(payload)
+
+
 def run_regen(rows: list[dict], endpoints: list[Endpoint], cfg: RegenConfig, sampling: SamplingConfig,
               journal: Journal, api_key: str | None = None,
               eos_token_id: int | list[int] | None = None) -> tuple[list[dict], list[dict]]:
@@ -242,8 +279,9 @@ def run_regen(rows: list[dict], endpoints: list[Endpoint], cfg: RegenConfig, sam
                 results.put(("ok", client.regenerate(endpoint, row)))
             except RequestFailed as e:
                 results.put(("error", {"id": row["id"], "reason": e.reason, "detail": e.detail}))
-            except Exception as e:  # a bug must not hang the stage: report it as this row's error
-                results.put(("error", {"id": row["id"], "reason": "exception", "detail": repr(e)[:300]}))
+            except Exception as e:  # a bug: stop the run (the main thread re-raises it), never a row error
+                results.put(("crash", (row.get("id"), e)))
+                stop.set()
 
     threads = [threading.Thread(target=worker, args=(ep,), daemon=True, name=f"regen-{i}-{k}")
                for i, ep in enumerate(endpoints) for k in range(cfg.concurrency)]
@@ -258,6 +296,11 @@ def run_regen(rows: list[dict], endpoints: list[Endpoint], cfg: RegenConfig, sam
             if kind == "ok":
                 journal.append(payload)
                 gen_tokens += payload["completion_tokens"]
+            elif kind == "crash":
+                row_id, exc = payload
+                _journal_finished(results, journal)
+                raise WorkerCrashed(f"regen: request worker crashed on row {row_id}: "
+                                    f"{type(exc).__name__}: {exc}") from exc
             else:
                 errors.append(payload)
                 log.warning("regen %s failed: %s %s", payload["id"], payload["reason"], payload["detail"])

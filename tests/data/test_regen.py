@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from deepspec.config import RegenConfig, SamplingConfig
-from deepspec.data.regen import (Client, Endpoint, Journal, RequestFailed, build_request, run_regen, select_rows)
+from deepspec.data.regen import (Client, Endpoint, Journal, JournalError, RequestFailed, WorkerCrashed, build_request,
+                                 run_regen, select_rows)
 from deepspec.data.servers import free_port, launch_transformers_serve
 from tests.conftest import REPO, SAMPLE_CONVERSATIONS, project_env, write_split
 
@@ -102,6 +103,8 @@ class FaultServer:
                     "html": (200, b"<html>oops</html>"),
                     "empty": (200, b'{"choices": []}'),
                     "400": (400, b'{"detail": "bad"}'),
+                    "badusage": (200, json.dumps({"choices": [{"message": {"content": "x"}, "finish_reason": "stop"}],
+                                                  "usage": {"completion_tokens": "many"}}).encode()),
                     "ok": (200, json.dumps({"choices": [{"message": {"content": "fine"}, "finish_reason": "stop"}],
                                             "usage": {"completion_tokens": 2}}).encode()),
                 }[kind]
@@ -120,7 +123,8 @@ class FaultServer:
 
 
 @pytest.mark.parametrize("fault, reason", [("500", "http_5xx"), ("html", "non_json"), ("empty", "empty_choices"),
-                                           ("slow", "timeout"), ("drop", "connection")])
+                                           ("slow", "timeout"), ("drop", "connection"),
+                                           ("badusage", "bad_response")])
 def test_faults_are_retried_then_recorded(fault, reason):
     server = FaultServer([fault] * 10)
     delays = []
@@ -157,6 +161,23 @@ def test_connection_refused_is_recorded_per_row(tmp_path):
     assert ordered == [] and sorted(e["reason"] for e in errors) == ["connection"] * 3
 
 
+def test_a_bug_in_a_worker_stops_the_run_instead_of_becoming_a_row_error(tmp_path):
+    """Only transport/server faults are row errors; a row the client code cannot handle is a bug."""
+    server = FaultServer([])
+    bad = {"id": "b" * 16, "conversations": [{"role": "user", "text": "no content key"}]}
+    journal = Journal(tmp_path / "j", "fp")
+    try:
+        with pytest.raises(WorkerCrashed, match=f"row {bad['id']}.*KeyError: 'content'") as e:
+            run_regen(rows(3) + [bad], [Endpoint(server.url, "m")],
+                      RegenConfig(concurrency=1, max_error_fraction=1.0), SamplingConfig(), journal)
+        assert isinstance(e.value.__cause__, KeyError)  # the original traceback travels with it
+        journal.close()
+        kept = Journal(tmp_path / "j", "fp")  # rows finished before the crash are journaled, not lost
+        assert sorted(kept.done) == sorted(r["id"] for r in rows(3))
+    finally:
+        server.close()
+
+
 # ---- the journal -----------------------------------------------------------------------------------
 
 def test_journal_drops_a_torn_line_and_resets_on_new_fingerprint(tmp_path):
@@ -172,6 +193,39 @@ def test_journal_drops_a_torn_line_and_resets_on_new_fingerprint(tmp_path):
     j.close()
     assert len((tmp_path / "j" / "rows.jsonl").read_text().splitlines()) == 3
     assert Journal(tmp_path / "j", "fp2").done == {}
+
+
+@pytest.mark.parametrize("bad_line", [b'{"id": "2", "x"\n', b"\x00\x00\x00\n", b'["not", "a", "row"]\n'])
+def test_journal_line_corrupt_mid_file_is_an_error_naming_file_and_line(tmp_path, bad_line):
+    j = Journal(tmp_path / "j", "fp")
+    j.append({"id": "1", "x": 1})
+    j.close()
+    path = tmp_path / "j" / "rows.jsonl"
+    with open(path, "ab") as f:
+        f.write(bad_line + b'{"id": "3", "x": 3}\n')
+    before = path.read_bytes()
+    with pytest.raises(JournalError, match=rf"{path}:2: corrupt journal line"):
+        Journal(tmp_path / "j", "fp")
+    assert path.read_bytes() == before  # nothing written is dropped or rewritten
+
+
+def test_stage_reports_a_corrupt_journal_without_a_traceback(tmp_path):
+    from deepspec.config import load_params
+    from deepspec.data.regen import regen_fingerprint
+
+    work = tmp_path / "work"
+    write_split(work / "data" / "split" / "train.jsonl")
+    (work / "data" / "target").mkdir(parents=True)
+    (work / "data" / "target" / "identity.json").write_text(json.dumps({"id": "t" * 16}))
+    (work / "params.yaml").write_text((REPO / "params.yaml").read_text())
+    p = load_params(work / "params.yaml")
+    Journal(work / "data" / "regen" / "journal", regen_fingerprint(p.regen, p.sampling, {"id": "t" * 16})).close()
+    (work / "data" / "regen" / "journal" / "rows.jsonl").write_bytes(b'{"id": "1"}\n}{\n')
+    proc = subprocess.run([sys.executable, str(REPO / "stages" / "regen.py")], cwd=work, env=project_env(REPO),
+                          text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+    assert proc.returncode == 2, proc.stdout
+    assert "data/regen/journal/rows.jsonl:2: corrupt journal line" in proc.stdout
+    assert "Traceback" not in proc.stdout
 
 
 # ---- a real `transformers serve` on 127.0.0.1 --------------------------------------------------------
