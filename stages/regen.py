@@ -4,8 +4,8 @@ import logging
 import os
 from pathlib import Path
 
-from deepspec.data.regen import (Endpoint, Journal, JournalError, load_rows, model_eos, regen_fingerprint, run_regen,
-                                 select_rows, write_outputs)
+from deepspec.data.regen import (Endpoint, Journal, JournalError, ProbeError, ProbeRejected, load_rows, model_eos,
+                                 probe_endpoints, regen_fingerprint, run_regen, select_rows, write_outputs)
 from deepspec.data.servers import ServerError, launch_sglang, launch_transformers_serve
 from deepspec.models.target import load_identity
 from deepspec.stage import StageError, run_stage
@@ -47,8 +47,10 @@ def main(params):
         todo = sum(r["id"] not in journal.done for r in rows)
         endpoints = start_endpoints(cfg, servers) if todo else []
         eos = model_eos(TARGET) if cfg.backend == "transformers" else None
+        if endpoints:
+            endpoints = probe_endpoints(endpoints, cfg, params.sampling, api_key, eos)
         ordered, errors = run_regen(rows, endpoints, cfg, params.sampling, journal, api_key, eos)
-    except ServerError as e:
+    except (ServerError, ProbeError, ProbeRejected) as e:
         raise StageError(str(e)) from None
     finally:
         journal.close()

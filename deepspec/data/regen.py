@@ -8,6 +8,7 @@ shapes an answer (model identity incl. chat template, sampling, backend); a chan
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -46,6 +47,14 @@ class JournalError(ValueError):
     """The journal holds a line that is not a finished row (damaged, not a torn last write)."""
 
 
+class ProbeError(RuntimeError):
+    """No server answered the start-up probe."""
+
+
+class ProbeRejected(ValueError):
+    """A server refuses a field the sampling params need."""
+
+
 # ---- request bodies ------------------------------------------------------------------------------
 
 def request_seed(sampling: SamplingConfig, sample_id: str, turn: int) -> int:
@@ -58,8 +67,10 @@ def build_request(backend: str, model: str, messages: list[dict], sampling: Samp
     """The exact JSON body for /v1/chat/completions on each backend."""
     body: dict = {"model": model, "messages": messages, "max_tokens": sampling.max_tokens,
                   "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": seed, "stream": False}
-    if backend == "sglang":
-        body["top_k"] = sampling.top_k if sampling.top_k > 0 else -1  # sglang: -1 = disabled
+    if backend in ("sglang", "openai"):
+        # extra top-level fields that sglang and vLLM read; sent even when "off", since a server left
+        # to its own defaults may apply the model's generation_config (Qwen3's: top_k 20)
+        body["top_k"] = sampling.top_k if sampling.top_k > 0 else -1  # sglang, vLLM: -1 = disabled
         body["min_p"] = sampling.min_p
         if disable_thinking:
             body["chat_template_kwargs"] = {"enable_thinking": False}
@@ -78,7 +89,7 @@ def build_request(backend: str, model: str, messages: list[dict], sampling: Samp
         body["generation_config"] = json.dumps(gen, sort_keys=True)
         if disable_thinking:
             body["chat_template_kwargs"] = {"enable_thinking": False}
-    elif backend != "openai":
+    else:
         raise ValueError(f"unknown backend {backend!r}")
     return body
 
@@ -135,18 +146,40 @@ class Client:
 
     def complete(self, endpoint: Endpoint, body: dict) -> tuple[str, str, int]:
         """POST with retries: exponential backoff with jitter on every transient fault."""
+        def attempt() -> tuple[str, str, int]:
+            content, finish, n = parse_response(self._post(endpoint, body))
+            if not content.strip():
+                raise RequestFailed("empty_content", f"finish_reason={finish}")
+            return content, finish, n
+
+        return self._with_retries(attempt)
+
+    def status(self, endpoint: Endpoint, body: dict) -> tuple[int, str]:
+        """(HTTP status, body text) of a request the server answered; transient faults are retried,
+        and one that persists (no connection, timeouts, 5xx, not JSON) is a RequestFailed."""
+        def attempt() -> tuple[int, str]:
+            resp = self._post(endpoint, body)
+            if resp.status_code >= 400 and resp.status_code != 429:
+                if resp.status_code >= 500:
+                    raise RequestFailed("http_5xx", f"HTTP {resp.status_code}: {resp.text[:200]}")
+                return resp.status_code, resp.text
+            parse_response(resp)
+            return resp.status_code, resp.text
+
+        return self._with_retries(attempt)
+
+    def _post(self, endpoint: Endpoint, body: dict) -> requests.Response:
+        return self._session().post(f"{endpoint.url}/v1/chat/completions", json=body, headers=self.headers,
+                                    timeout=self.cfg.timeout_s)
+
+    def _with_retries(self, attempt_once):
         last: RequestFailed | None = None
         for attempt in range(self.cfg.max_retries + 1):
             if attempt:
                 delay = self.cfg.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
                 self.sleep(delay)
             try:
-                resp = self._session().post(f"{endpoint.url}/v1/chat/completions", json=body,
-                                            headers=self.headers, timeout=self.cfg.timeout_s)
-                content, finish, n = parse_response(resp)
-                if not content.strip():
-                    raise RequestFailed("empty_content", f"finish_reason={finish}")
-                return content, finish, n
+                return attempt_once()
             except requests.Timeout as e:
                 last = RequestFailed("timeout", str(e)[:200])
             except requests.ConnectionError as e:
@@ -336,3 +369,58 @@ def model_eos(model_dir: Path) -> int | list[int] | None:
     """End-of-turn id(s) from the model's generation_config.json (what `generate` would stop on)."""
     path = model_dir / "generation_config.json"
     return json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
+
+
+# ---- the start-up probe ------------------------------------------------------------------------------
+
+# Fields every OpenAI-compatible server takes; anything else in a body is an extra some refuse.
+BASE_FIELDS = frozenset({"model", "messages", "max_tokens", "temperature", "top_p", "seed", "stream"})
+EXTRA_PARAMS = {"top_k": "sampling.top_k", "min_p": "sampling.min_p", "chat_template_kwargs": "regen.disable_thinking",
+                "generation_config": "sampling (as transformers' generation_config)"}
+
+
+def probe_endpoints(endpoints: list[Endpoint], cfg: RegenConfig, sampling: SamplingConfig,
+                    api_key: str | None = None, eos_token_id: int | list[int] | None = None,
+                    sleep: Callable[[float], None] = time.sleep) -> list[Endpoint]:
+    """Send every server one short request carrying exactly the fields the real ones will. A server
+    that refuses a field stops the stage (ProbeRejected names it: regenerating without it would sample
+    otherwise than params.yaml says); one that does not answer is left out; none answering is a ProbeError."""
+    client = Client(cfg, sampling, api_key, sleep=sleep, eos_token_id=eos_token_id)
+    probe_sampling = dataclasses.replace(sampling, max_tokens=1)
+    live, dead = [], []
+    for ep in endpoints:
+        body = build_request(cfg.backend, ep.model, [{"role": "user", "content": "Hello"}], probe_sampling, 0,
+                             cfg.disable_thinking, eos_token_id)
+        try:
+            status, text = client.status(ep, body)
+        except RequestFailed as e:
+            log.warning("regen: %s did not answer the start-up probe (%s); leaving it out", ep.url, e)
+            dead.append(f"{ep.url} ({e.reason}: {e.detail[:120]})")
+            continue
+        if status >= 400:
+            raise ProbeRejected(_why_rejected(client, ep, body, status, text))
+        live.append(ep)
+    if not live:
+        raise ProbeError("regen: no server answered the start-up probe: " + "; ".join(dead))
+    if dead:
+        log.warning("regen: sending every row to the %d live server(s) of %d", len(live), len(endpoints))
+    return live
+
+
+def _why_rejected(client: Client, ep: Endpoint, body: dict, status: int, text: str) -> str:
+    """Find the extra field(s) the server refuses: the request without any extra, then with each alone."""
+    extras = [k for k in body if k not in BASE_FIELDS]
+    bare = {k: v for k, v in body.items() if k not in extras}
+    if not extras or client.status(ep, bare)[0] >= 400:
+        return f"regen: {ep.url} rejects the request itself (HTTP {status}: {text[:300]}); check regen.model, the URL " \
+               f"and the API key (regen.api_key_env)"
+    refused = []
+    for k in extras:
+        code, why = client.status(ep, bare | {k: body[k]})
+        if code >= 400:
+            refused.append(f"`{k}` (HTTP {code}: {why[:300]}), which carries {EXTRA_PARAMS.get(k, k)}")
+    if not refused:  # only the combination is refused
+        refused = [f"{', '.join(f'`{k}`' for k in extras)} together (HTTP {status}: {text[:300]})"]
+    return (f"regen: {ep.url} rejects " + "; and ".join(refused) + ". Regenerating without it would sample "
+            "otherwise than params.yaml says: use a server that accepts it (vLLM and sglang take top_k, min_p and "
+            "chat_template_kwargs; for `transformers serve` set regen.backend: transformers)")

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from deepspec.config import RegenConfig, SamplingConfig
-from deepspec.data.regen import (Client, Endpoint, Journal, JournalError, RequestFailed, WorkerCrashed, build_request,
-                                 run_regen, select_rows)
+from deepspec.data.regen import (Client, Endpoint, Journal, JournalError, ProbeError, ProbeRejected, RequestFailed,
+                                 WorkerCrashed, build_request, probe_endpoints, run_regen, select_rows)
 from deepspec.data.servers import free_port, launch_transformers_serve
 from tests.conftest import REPO, SAMPLE_CONVERSATIONS, project_env, write_split
 
@@ -61,8 +61,16 @@ def test_transformers_body_puts_top_k_in_generation_config():
     assert gen == {"do_sample": True, "max_new_tokens": 64, "temperature": 0.9, "top_k": 5, "top_p": 0.8}
     greedy = json.loads(build_request("transformers", "m", [], SamplingConfig(temperature=0.0), 1)["generation_config"])
     assert greedy == {"do_sample": False, "max_new_tokens": 64}
-    plain = build_request("openai", "gpt", [], SamplingConfig(), 1)
-    assert set(plain) == {"model", "messages", "max_tokens", "temperature", "top_p", "seed", "stream"}
+
+
+def test_openai_body_carries_top_k_min_p_and_the_thinking_switch():
+    """vLLM and sglang read these as extra top-level fields; leaving them out samples differently."""
+    sampling = SamplingConfig(top_k=20, min_p=0.05)
+    body = build_request("openai", "qwen", [{"role": "user", "content": "hi"}], sampling, 1, True)
+    assert body["top_k"] == 20 and body["min_p"] == 0.05 and body["top_p"] == 0.8
+    assert body["chat_template_kwargs"] == {"enable_thinking": False}
+    assert build_request("openai", "m", [], SamplingConfig(top_k=0), 0, False)["top_k"] == -1  # explicitly off
+    assert "chat_template_kwargs" not in build_request("openai", "m", [], sampling, 0, False)
 
 
 def test_selection_is_stable_under_growth():
@@ -178,6 +186,123 @@ def test_a_bug_in_a_worker_stops_the_run_instead_of_becoming_a_row_error(tmp_pat
         server.close()
 
 
+class StrictServer:
+    """An OpenAI-compatible endpoint that validates requests like a strict server: an unknown top-level
+    field is an HTTP 400 naming it (the OpenAI API's behaviour). Records every body it accepts."""
+
+    BASE = {"model", "messages", "max_tokens", "temperature", "top_p", "seed", "stream"}
+
+    def __init__(self, extra_fields=("top_k", "min_p", "chat_template_kwargs")):
+        self.allowed = self.BASE | set(extra_fields)
+        self.bodies = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                unknown = sorted(set(body) - outer.allowed)
+                if unknown:
+                    status, reply = 400, {"error": {"message": f"Unrecognized request argument supplied: "
+                                                               f"{unknown[0]}", "type": "invalid_request_error"}}
+                else:
+                    outer.bodies.append(body)
+                    status, reply = 200, {"choices": [{"message": {"content": "fine"}, "finish_reason": "stop"}],
+                                          "usage": {"completion_tokens": 1}}
+                data = json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+@pytest.mark.parametrize("missing, param", [("top_k", "sampling.top_k"), ("min_p", "sampling.min_p"),
+                                            ("chat_template_kwargs", "regen.disable_thinking")])
+def test_probe_names_the_parameter_a_server_rejects(missing, param):
+    server = StrictServer(extra_fields={"top_k", "min_p", "chat_template_kwargs"} - {missing})
+    cfg = RegenConfig(backend="openai", max_retries=0)
+    try:
+        with pytest.raises(ProbeRejected, match=rf"{server.url} rejects `{missing}` \(HTTP 400.*{param}"):
+            probe_endpoints([Endpoint(server.url, "m")], cfg, SamplingConfig())
+        assert server.bodies and all(missing not in b for b in server.bodies)  # found by leaving each out
+    finally:
+        server.close()
+
+
+def test_probe_leaves_out_a_dead_server_and_rows_go_to_the_live_one(tmp_path, caplog):
+    server = StrictServer()
+    dead = Endpoint(f"http://127.0.0.1:{free_port()}", "m")
+    cfg = RegenConfig(backend="openai", max_retries=1, backoff_s=0.0, concurrency=2)
+    try:
+        live = probe_endpoints([dead, Endpoint(server.url, "m")], cfg, SamplingConfig())
+        assert live == [Endpoint(server.url, "m")]
+        assert f"{dead.url} did not answer the start-up probe" in caplog.text
+        probe = server.bodies[0]
+        assert probe["top_k"] == 20 and probe["min_p"] == 0.0 and probe["chat_template_kwargs"] == {
+            "enable_thinking": False}
+        ordered, errors = run_regen(rows(4), live, cfg, SamplingConfig(), Journal(tmp_path / "j", "fp"))
+        assert errors == [] and len(ordered) == 4
+        assert all(b["top_k"] == 20 and b["top_p"] == 0.8 for b in server.bodies)
+        with pytest.raises(ProbeError, match=rf"no server answered.*{dead.url}.*connection"):
+            probe_endpoints([dead], cfg, SamplingConfig())
+    finally:
+        server.close()
+
+
+def regen_workdir(tmp_path, regen: dict) -> Path:
+    work = tmp_path / "work"
+    write_split(work / "data" / "split" / "train.jsonl", SAMPLE_CONVERSATIONS[:5])
+    (work / "data" / "target").mkdir(parents=True)
+    (work / "data" / "target" / "identity.json").write_text(json.dumps({"id": "t" * 16}))
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["regen"] |= regen
+    (work / "params.yaml").write_text(yaml.safe_dump(params))
+    return work
+
+
+def run_regen_stage(work: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "stages" / "regen.py")], cwd=work, env=project_env(REPO),
+                          text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+
+
+def test_stage_stops_when_the_endpoint_rejects_a_sampling_field(tmp_path):
+    strict = StrictServer(extra_fields=())
+    try:
+        work = regen_workdir(tmp_path, {"backend": "openai", "urls": [strict.url], "max_retries": 0})
+        proc = run_regen_stage(work)
+    finally:
+        strict.close()
+    assert proc.returncode == 2, proc.stdout
+    assert f"error: regen: {strict.url} rejects `top_k`" in proc.stdout and "Traceback" not in proc.stdout
+    assert not (work / "data" / "regen" / "train.jsonl").exists()
+
+
+def test_stage_regenerates_through_the_live_servers_only(tmp_path):
+    live = StrictServer()
+    dead = f"http://127.0.0.1:{free_port()}"
+    try:
+        work = regen_workdir(tmp_path, {"backend": "openai", "urls": [dead, live.url], "max_retries": 1,
+                                        "backoff_s": 0.0})
+        proc = run_regen_stage(work)
+    finally:
+        live.close()
+    assert proc.returncode == 0, proc.stdout
+    assert f"{dead} did not answer the start-up probe" in proc.stdout
+    out = [json.loads(line) for line in (work / "data" / "regen" / "train.jsonl").read_text().splitlines()]
+    assert len(out) == 5 and (work / "data" / "regen" / "errors.jsonl").read_text() == ""
+    assert len(live.bodies) == 1 + sum(1 for c in SAMPLE_CONVERSATIONS[:5] for t in c if t["role"] == "user")
+
+
 # ---- the journal -----------------------------------------------------------------------------------
 
 def test_journal_drops_a_torn_line_and_resets_on_new_fingerprint(tmp_path):
@@ -264,6 +389,15 @@ def test_sampling_settings_take_effect(serve_sequential):
     assert ask(hot, 7) == ask(hot, 7)                              # same seed, same answer
     greedy = SamplingConfig(temperature=0.0, max_tokens=24)
     assert ask(greedy, 1) == ask(greedy, 2)                        # temperature 0 is deterministic
+
+
+def test_probe_against_transformers_serve(serve_sequential):
+    """The real server: its own backend's body passes; the vLLM/sglang extras are refused by name."""
+    ep = Endpoint(serve_sequential.url, serve_sequential.model)
+    cfg = RegenConfig(backend="transformers", max_retries=0)
+    assert probe_endpoints([ep], cfg, SamplingConfig()) == [ep]
+    with pytest.raises(ProbeRejected, match=rf"{ep.url} rejects `top_k` \(HTTP 4\d\d.*sampling.top_k"):
+        probe_endpoints([ep], RegenConfig(backend="openai", max_retries=0), SamplingConfig())
 
 
 def test_server_killed_mid_run_then_rerun_completes(trained_target, tmp_path):
