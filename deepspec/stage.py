@@ -21,8 +21,7 @@ def configure_threads(n: int) -> None:
 
 
 def run_stage(main: Callable[[Params], object], params_path: str = "params.yaml") -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    # HF_HUB_OFFLINE is the user's to set (deepspec.hub): an `hf:` source must be able to download
     os.environ.setdefault("DVC_NO_ANALYTICS", "1")
     logging.basicConfig(level=os.environ.get("DEEPSPEC_LOG", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -116,10 +116,9 @@ def launch_transformers_serve(model_dir: str | Path, port: int = 0, continuous_b
     model = str(model_dir)
     port = port or free_port()
     log_path = Path(log_dir or tempfile.mkdtemp(prefix="deepspec-serve-")) / f"transformers-serve-{port}.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     cmd = transformers_serve_command(model, port, continuous_batching=continuous_batching)
     log.info("starting: %s (log %s)", " ".join(cmd), log_path)
-    server = ManagedServer(f"http://127.0.0.1:{port}", model, _spawn(cmd, log_path, env), log_path)
+    server = ManagedServer(f"http://127.0.0.1:{port}", model, _spawn(cmd, log_path), log_path)
     server.wait_healthy(timeout)
     return server
 

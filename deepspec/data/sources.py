@@ -70,15 +70,27 @@ def _hf_rows(spec: str, split: str) -> Iterator[RawRow]:
 
     name = spec[len("hf:"):]
     local = Path(name)
+    hub = not local.exists()
     try:
         if local.is_dir() and (local / "dataset_info.json").exists() and (local / "state.json").exists():
             ds = datasets.load_from_disk(str(local))
             if isinstance(ds, datasets.DatasetDict):
                 ds = ds[split]
         else:
-            ds = datasets.load_dataset(name, split=split)
+            if hub:  # through the hub cache: what is there already is used as is, offline or not
+                from huggingface_hub import snapshot_download
+
+                repo, _, revision = name.partition("@")
+                local = Path(snapshot_download(repo, repo_type="dataset", revision=revision or None))
+            ds = datasets.load_dataset(str(local), split=split)
     except Exception as e:  # datasets raises many types; all mean "this source is unusable"
-        raise SourceError(f"{spec}: cannot load dataset (split {split!r}): {type(e).__name__}: {e}") from None
+        hint = ""
+        if hub:
+            from deepspec.hub import offline_hint
+
+            hint = f". {offline_hint()}"
+        raise SourceError(f"{spec}: cannot load dataset (split {split!r}): {type(e).__name__}: "
+                          f"{str(e)[:300]}{hint}") from None
     for i, obj in enumerate(ds):
         yield RawRow(f"{spec}[{split}]#{i}", dict(obj))
 

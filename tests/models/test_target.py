@@ -4,9 +4,8 @@ import shutil
 import pytest
 
 from deepspec.config import ConfigError, TargetConfig, TinyTargetConfig
-from deepspec.models.prepare import prepare_target
-from deepspec.models.target import (TargetError, check_layers, identity, parse_source,
-                                    validate_model_dir)
+from deepspec.models.prepare import parse_source, prepare_target
+from deepspec.models.target import TargetError, check_layers, identity, validate_model_dir
 from tests.conftest import SAMPLE_CONVERSATIONS, make_model_dir
 
 
