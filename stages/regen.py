@@ -5,8 +5,9 @@ import os
 from pathlib import Path
 
 from deepspec.data.regen import (Endpoint, Journal, JournalError, ProbeError, ProbeRejected, load_rows, model_eos,
-                                 probe_endpoints, regen_fingerprint, run_regen, select_rows, write_outputs)
-from deepspec.data.servers import ServerError, launch_sglang, launch_transformers_serve
+                                 probe_endpoints, regen_fingerprint, request_token_bound, run_regen, select_rows,
+                                 write_outputs)
+from deepspec.data.servers import ServerError, cb_budget, launch_sglang, launch_transformers_serve
 from deepspec.models.target import load_identity
 from deepspec.stage import StageError, run_stage
 
@@ -15,14 +16,26 @@ OUT = Path("data/regen")
 TARGET = Path("data/target")
 
 
-def start_endpoints(cfg, stack):
+def kv_budget(cfg, sampling, rows):
+    """The continuous-batching KV cache for `cfg.concurrency` requests of the longest of these rows."""
+    from transformers import AutoTokenizer
+
+    need = request_token_bound(AutoTokenizer.from_pretrained(TARGET), rows, sampling, cfg.disable_thinking)
+    budget = cb_budget(need, cfg.concurrency)
+    log.info("KV cache for %d requests of up to %d tokens: %s", cfg.concurrency, need, budget)
+    return budget
+
+
+def start_endpoints(cfg, sampling, rows, stack):
     """Endpoints to send requests to; servers this stage starts are pushed on `stack` to be stopped."""
     model = cfg.model or str(TARGET)
     if cfg.urls:
         return [Endpoint(u.rstrip("/").removesuffix("/v1"), model) for u in cfg.urls]
     if cfg.backend == "transformers":
-        server = launch_transformers_serve(TARGET, cfg.server_port, continuous_batching=cfg.concurrency > 1,
-                                           log_dir=OUT / "logs", timeout=cfg.server_start_timeout_s)
+        batching = cfg.concurrency > 1
+        server = launch_transformers_serve(TARGET, cfg.server_port, continuous_batching=batching,
+                                           log_dir=OUT / "logs", timeout=cfg.server_start_timeout_s,
+                                           cb=kv_budget(cfg, sampling, rows) if batching else None)
         stack.append(server)
         return [Endpoint(server.url, server.model)]
     if cfg.backend == "sglang" and cfg.launch_servers > 0:
@@ -44,8 +57,8 @@ def main(params):
     api_key = os.environ.get(cfg.api_key_env) if cfg.backend == "openai" else None
     servers = []
     try:
-        todo = sum(r["id"] not in journal.done for r in rows)
-        endpoints = start_endpoints(cfg, servers) if todo else []
+        todo = [r for r in rows if r["id"] not in journal.done]
+        endpoints = start_endpoints(cfg, params.sampling, todo, servers) if todo else []
         eos = model_eos(TARGET) if cfg.backend == "transformers" else None
         if endpoints:
             endpoints = probe_endpoints(endpoints, cfg, params.sampling, api_key, eos)

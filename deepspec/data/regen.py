@@ -25,6 +25,7 @@ import requests
 from tqdm import tqdm
 
 from deepspec.config import RegenConfig, SamplingConfig, to_dict
+from deepspec.data.template import encode_prompt
 from deepspec.io import atomic_open, fingerprint, hash_unit, read_jsonl, write_json
 
 log = logging.getLogger(__name__)
@@ -272,6 +273,26 @@ class Journal:
 def select_rows(rows: list[dict], cfg: RegenConfig) -> list[dict]:
     """A hash-based subset: growing the source never drops or swaps an already selected row."""
     return [r for r in rows if cfg.fraction >= 1.0 or hash_unit("regen", r["id"]) < cfg.fraction]
+
+
+def request_token_bound(tokenizer, rows: list[dict], sampling: SamplingConfig, disable_thinking: bool) -> int:
+    """The most tokens one request for these rows can occupy in a server's KV cache: the prompt of a
+    row's last user turn, with every earlier answer at its `max_tokens` bound, plus `max_tokens`."""
+    kwargs = {"enable_thinking": False} if disable_thinking else {}
+    longest = 0
+    for row in rows:
+        history, answers = [], 0
+        for turn in row["conversations"]:
+            if turn["role"] == "system":
+                history.append({"role": "system", "content": turn["content"]})
+            elif turn["role"] == "user":
+                if history and history[-1]["role"] == "user":  # an earlier user turn: its answer comes first
+                    history.append({"role": "assistant", "content": ""})
+                    answers += 1
+                history.append({"role": "user", "content": turn["content"]})
+        if history:
+            longest = max(longest, len(encode_prompt(tokenizer, history, **kwargs)) + answers * sampling.max_tokens)
+    return longest + sampling.max_tokens
 
 
 def regen_fingerprint(cfg: RegenConfig, sampling: SamplingConfig, target_identity: dict | None) -> str:

@@ -97,8 +97,21 @@ def _spawn(cmd: list[str], log_path: Path, env: dict | None = None) -> subproces
         logf.close()
 
 
+def cb_budget(request_tokens: int, concurrency: int) -> dict[str, int]:
+    """The KV cache `transformers serve --continuous-batching` needs: room for `concurrency` requests of
+    up to `request_tokens` tokens each, in whole pages. Left alone it takes 80-90% of the free memory
+    (on CPU that is system RAM: 12-14 GB resident for the 7.6M-parameter embedded target)."""
+    from transformers import ContinuousBatchingConfig
+
+    page = ContinuousBatchingConfig().page_size  # tokens per block (all layers)
+    blocks = concurrency * -(-request_tokens // page)
+    blocks += -(-blocks * 15 // 100)  # the scheduler admits no new prompt while under 15% of blocks are free
+    # a batch never needs more tokens than the cache holds; prefill beyond it is split across steps
+    return {"num_blocks": blocks, "max_batch_tokens": min(8192, blocks * page)}
+
+
 def transformers_serve_command(model_dir: str, port: int, host: str = "127.0.0.1",
-                               continuous_batching: bool = True) -> list[str]:
+                               continuous_batching: bool = True, cb: dict[str, int] | None = None) -> list[str]:
     exe = shutil.which("transformers", path=os.pathsep.join([str(Path(sys.executable).parent),
                                                              os.environ.get("PATH", "")]))
     if exe is None:
@@ -107,16 +120,21 @@ def transformers_serve_command(model_dir: str, port: int, host: str = "127.0.0.1
            "--dtype", "float32"]
     if continuous_batching:
         cmd.append("--continuous-batching")
+        if cb:
+            cmd += ["--cb-num-blocks", str(cb["num_blocks"]), "--cb-max-batch-tokens", str(cb["max_batch_tokens"])]
     return cmd
 
 
 def launch_transformers_serve(model_dir: str | Path, port: int = 0, continuous_batching: bool = True,
-                              log_dir: str | Path | None = None, timeout: float = 300.0) -> ManagedServer:
-    """Start `transformers serve` on 127.0.0.1 with `model_dir` pinned and wait until it is healthy."""
+                              log_dir: str | Path | None = None, timeout: float = 300.0,
+                              cb: dict[str, int] | None = None) -> ManagedServer:
+    """Start `transformers serve` on 127.0.0.1 with `model_dir` pinned and wait until it is healthy.
+    `cb` (from `cb_budget`) sizes the continuous-batching KV cache; without it the server sizes it
+    from free memory."""
     model = str(model_dir)
     port = port or free_port()
     log_path = Path(log_dir or tempfile.mkdtemp(prefix="deepspec-serve-")) / f"transformers-serve-{port}.log"
-    cmd = transformers_serve_command(model, port, continuous_batching=continuous_batching)
+    cmd = transformers_serve_command(model, port, continuous_batching=continuous_batching, cb=cb)
     log.info("starting: %s (log %s)", " ".join(cmd), log_path)
     server = ManagedServer(f"http://127.0.0.1:{port}", model, _spawn(cmd, log_path), log_path)
     server.wait_healthy(timeout)

@@ -14,8 +14,9 @@ import yaml
 
 from deepspec.config import RegenConfig, SamplingConfig
 from deepspec.data.regen import (Client, Endpoint, Journal, JournalError, ProbeError, ProbeRejected, RequestFailed,
-                                 WorkerCrashed, build_request, probe_endpoints, run_regen, select_rows)
-from deepspec.data.servers import free_port, launch_transformers_serve
+                                 WorkerCrashed, build_request, model_eos, probe_endpoints, request_token_bound,
+                                 run_regen, select_rows)
+from deepspec.data.servers import cb_budget, free_port, launch_transformers_serve
 from tests.conftest import REPO, SAMPLE_CONVERSATIONS, project_env, write_split
 
 MULTI = [{"id": "a" * 16, "conversations": [
@@ -432,6 +433,101 @@ def test_server_killed_mid_run_then_rerun_completes(trained_target, tmp_path):
         server.stop()
     assert errors == [] and [r["id"] for r in ordered] == [r["id"] for r in data]
     assert all(journal.done[i] == row for i, row in done_before.items())
+
+
+def proc_status(pid: int, field: str) -> int:
+    """A /proc/<pid>/status memory field in bytes (VmHWM = peak resident set)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def test_request_token_bound_counts_history_at_max_tokens(small_model_dir):
+    from transformers import AutoTokenizer
+
+    from deepspec.data.template import encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(small_model_dir)
+    sampling = SamplingConfig(max_tokens=32)
+    history = [{"role": "user", "content": "What is 3 plus 4?"}, {"role": "assistant", "content": ""},
+               {"role": "user", "content": "What is 5 plus 6?"}]
+    expected = len(encode_prompt(tok, history)) + 32 + 32  # one earlier answer at its bound, one to generate
+    assert request_token_bound(tok, MULTI, sampling, False) == expected
+    assert request_token_bound(tok, MULTI + rows(3), sampling, False) == expected  # the longest row decides
+
+
+def test_continuous_batching_server_is_sized_from_the_work(small_model_dir, tmp_path, monkeypatch):
+    """`transformers serve --continuous-batching` would size its KV cache from free RAM (80-90% of it);
+    sized from the rows, the max tokens and the concurrency it stays small and still serves every row."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "yes")  # the user's setting reaches the server unchanged
+    data = MULTI + rows(11)
+    sampling = SamplingConfig(max_tokens=32)
+    budget = cb_budget(request_token_bound(AutoTokenizer.from_pretrained(small_model_dir), data, sampling, True),
+                       concurrency=4)
+    server = launch_transformers_serve(small_model_dir, continuous_batching=True, cb=budget, timeout=180)
+    try:
+        cmd = Path(f"/proc/{server.proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert cmd[cmd.index(b"--cb-num-blocks") + 1] == str(budget["num_blocks"]).encode()
+        assert b"HF_HUB_OFFLINE=yes" in Path(f"/proc/{server.proc.pid}/environ").read_bytes().split(b"\0")
+        ordered, errors = run_regen(data, [Endpoint(server.url, server.model)],
+                                    RegenConfig(backend="transformers", concurrency=4), sampling,
+                                    Journal(tmp_path / "j", "fp"), eos_token_id=model_eos(small_model_dir))
+        peak = proc_status(server.proc.pid, "VmHWM")
+    finally:
+        server.stop()
+    assert errors == [] and len(ordered) == len(data)
+    assert peak < 2 * 2**30, f"server peak RSS {peak / 2**20:.0f} MiB"
+
+
+def server_pids(work: Path) -> list[int]:
+    """`transformers serve` processes running in `work` (the ones a regen stage there started)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and b"serve" in (d / "cmdline").read_bytes() and (d / "cwd").resolve() == work.resolve():
+                found.append(int(d.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_stage_sizes_the_server_it_starts(trained_target, tmp_path):
+    """The regen stage's own `transformers serve` gets a KV cache sized from its rows (checked on the
+    running server's command line before it could reserve most of the machine's memory)."""
+    from transformers import AutoTokenizer
+
+    work = tmp_path / "work"
+    shutil.copytree(trained_target, work / "data" / "target")
+    data = SAMPLE_CONVERSATIONS[-1:] + SAMPLE_CONVERSATIONS[:5]
+    write_split(work / "data" / "split" / "train.jsonl", data)
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["sampling"]["max_tokens"] = 16
+    params["regen"] |= {"backend": "transformers", "concurrency": 2}
+    (work / "params.yaml").write_text(yaml.safe_dump(params))
+    rows_ = [{"id": str(i), "conversations": c} for i, c in enumerate(data)]
+    budget = cb_budget(request_token_bound(AutoTokenizer.from_pretrained(trained_target), rows_,
+                                           SamplingConfig(max_tokens=16), True), 2)
+    proc = subprocess.Popen([sys.executable, str(REPO / "stages" / "regen.py")], cwd=work, env=project_env(REPO),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not server_pids(work) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        pids = server_pids(work)
+        assert pids, "the stage started no server"
+        cmd = Path(f"/proc/{pids[0]}/cmdline").read_bytes().decode().split("\0")
+        assert "--cb-num-blocks" in cmd, f"unsized KV cache: {' '.join(cmd)}"
+        assert cmd[cmd.index("--cb-num-blocks") + 1] == str(budget["num_blocks"])
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert len((work / "data" / "regen" / "train.jsonl").read_text().splitlines()) == len(data)
 
 
 @pytest.mark.slow
