@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from deepspec.config import RegenConfig, SamplingConfig
-from deepspec.data.regen import Client, Endpoint, build_request, model_eos
-from deepspec.data.servers import launch_transformers_serve
+from deepspec.data.regen import Client, Endpoint, build_request, model_eos, request_token_bound
+from deepspec.data.servers import cb_budget, launch_transformers_serve
 
 
 def run(client: Client, ep: Endpoint, prompts: list[str], sampling: SamplingConfig, concurrency: int) -> dict:
@@ -53,7 +53,13 @@ def main() -> None:
     if args.url:
         ep = Endpoint(args.url, args.model)
     else:
-        server = launch_transformers_serve(Path(args.model), continuous_batching=True)
+        from transformers import AutoTokenizer
+
+        # the KV cache the regen stage would give it (the server's own default takes most of the RAM)
+        single = [{"conversations": [{"role": "user", "content": p}]} for p in prompts]
+        need = request_token_bound(AutoTokenizer.from_pretrained(args.model), single, sampling, True)
+        server = launch_transformers_serve(Path(args.model), continuous_batching=True,
+                                           cb=cb_budget(need, args.concurrency))
         ep = Endpoint(server.url, server.model)
     try:
         run(client, ep, prompts[:2], sampling, 2)  # warm-up (paged cache init)

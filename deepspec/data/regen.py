@@ -160,11 +160,15 @@ class Client:
         and one that persists (no connection, timeouts, 5xx, not JSON) is a RequestFailed."""
         def attempt() -> tuple[int, str]:
             resp = self._post(endpoint, body)
-            if resp.status_code >= 400 and resp.status_code != 429:
-                if resp.status_code >= 500:
-                    raise RequestFailed("http_5xx", f"HTTP {resp.status_code}: {resp.text[:200]}")
-                return resp.status_code, resp.text
-            parse_response(resp)
+            if resp.status_code >= 500:
+                raise RequestFailed("http_5xx", f"HTTP {resp.status_code}: {resp.text[:200]}")
+            if resp.status_code == 429:
+                raise RequestFailed("http_429", resp.text[:200])
+            if resp.status_code < 400:
+                try:  # any JSON answer: a 1-token reply may well have no content (a thinking model)
+                    resp.json()
+                except ValueError:
+                    raise RequestFailed("non_json", resp.text[:200]) from None
             return resp.status_code, resp.text
 
         return self._with_retries(attempt)

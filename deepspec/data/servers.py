@@ -104,10 +104,13 @@ def cb_budget(request_tokens: int, concurrency: int) -> dict[str, int]:
     from transformers import ContinuousBatchingConfig
 
     page = ContinuousBatchingConfig().page_size  # tokens per block (all layers)
-    blocks = concurrency * -(-request_tokens // page)
+    per_request = -(-request_tokens // page)
+    blocks = concurrency * per_request
     blocks += -(-blocks * 15 // 100)  # the scheduler admits no new prompt while under 15% of blocks are free
-    # a batch never needs more tokens than the cache holds; prefill beyond it is split across steps
-    return {"num_blocks": blocks, "max_batch_tokens": min(8192, blocks * page)}
+    # tokens per forward step: the server reserves activations and a [batch, cache + batch] attention
+    # mask for this many (8192 by default); one longest request's worth is enough, since a longer
+    # prefill is split across steps and decoding adds one token per request
+    return {"num_blocks": blocks, "max_batch_tokens": min(8192, per_request * page)}
 
 
 def transformers_serve_command(model_dir: str, port: int, host: str = "127.0.0.1",
