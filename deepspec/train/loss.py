@@ -26,6 +26,15 @@ class Anchors:
     keep: torch.Tensor       # [B, N] bool: a real anchor
 
 
+def anchor_key(seed: int, step: int, micro: int, rank: int) -> int:
+    """The seed of the anchor draw of micro-batch `micro` of optimizer step `step` on `rank`."""
+    return seed * 1_000_003 + step * 1_009 + micro * 101 + rank
+
+
+def anchor_generator(seed: int, step: int, micro: int, rank: int) -> torch.Generator:
+    return torch.Generator().manual_seed(anchor_key(seed, step, micro, rank))
+
+
 def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num: int,
                    generator: torch.Generator) -> Anchors:
     B, T = loss_mask.shape

@@ -29,9 +29,15 @@ def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path) -> DraftMod
     return model
 
 
-def run_training(cfg: TrainConfig, layers: list[int], cache_url: str, target_dir: Path, draft_dir: Path,
-                 out_dir: Path, state_dir: Path, storage_options: dict | None = None, rank: int = 0,
-                 world: int = 1, device: torch.device | None = None) -> dict:
+def resume_fingerprint(cfg: TrainConfig, layers: list[int], target_id: str, manifest: dict) -> str:
+    """Checkpoints resume only into a run with the same fingerprint."""
+    return fingerprint({"train": to_dict(cfg), "layers": layers, "target": target_id,
+                        "cache": [manifest["parts"], manifest["dtype"]]})
+
+
+def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_dir: Path, out_dir: Path,
+                  state_dir: Path, storage_options: dict | None = None, rank: int = 0, world: int = 1,
+                  device: torch.device | None = None) -> Trainer:
     device = device or torch.device("cpu")
     identity = load_identity(target_dir)
     dataset = TargetCacheDataset(cache_url, layers=layers, storage_options=storage_options,
@@ -41,14 +47,20 @@ def run_training(cfg: TrainConfig, layers: list[int], cache_url: str, target_dir
     if world > 1:
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True)
-    fp = fingerprint({"train": to_dict(cfg), "layers": layers, "target": identity["id"],
-                      "cache": [dataset.manifest["parts"], dataset.manifest["dtype"]]})
+    fp = resume_fingerprint(cfg, layers, identity["id"], dataset.manifest)
     # dvclive starts a fresh curve unless the trainer resumes (then it keeps the steps up to the checkpoint)
     callbacks = [ProgressBar(), DvcLiveMetrics(out_dir / "live"), JsonMetrics(out_dir / "metrics.json")]
-    trainer = Trainer(model, dataset, cfg, state_dir, fp, callbacks, rank, world, device, ddp)
+    return Trainer(model, dataset, cfg, state_dir, fp, callbacks, rank, world, device, ddp)
+
+
+def run_training(cfg: TrainConfig, layers: list[int], cache_url: str, target_dir: Path, draft_dir: Path,
+                 out_dir: Path, state_dir: Path, storage_options: dict | None = None, rank: int = 0,
+                 world: int = 1, device: torch.device | None = None) -> dict:
+    trainer = build_trainer(cfg, layers, cache_url, target_dir, out_dir, state_dir, storage_options, rank, world,
+                            device)
     final = trainer.fit()
     if rank == 0:
         if draft_dir.exists():
             shutil.rmtree(draft_dir)
-        model.save(draft_dir)
+        trainer.model.save(draft_dir)
     return final

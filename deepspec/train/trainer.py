@@ -26,7 +26,7 @@ from deepspec.loader.prefetch import Prefetcher
 from deepspec.loader.sampler import ResumableBatchSampler
 from deepspec.train.checkpoint import (latest_valid, load_optimizer_tensors, optimizer_tensors, prune_stale,
                                        save_checkpoint)
-from deepspec.train.loss import sample_anchors, slot_weights
+from deepspec.train.loss import anchor_generator, sample_anchors, slot_weights
 from deepspec.train.schedule import lr_factor
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class Trainer:
             micro = []
             for m in range(cfg.grad_accum):
                 batch = next(batches)
-                gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1_009 + m * 101 + self.rank)
+                gen = anchor_generator(cfg.seed, step, m, self.rank)
                 anchors = sample_anchors(batch["loss_mask"], batch["lengths"].to(batch["loss_mask"].device),
                                          cfg.anchors_per_sample, gen)
                 micro.append((batch, anchors))
