@@ -2,7 +2,8 @@
 
 Runs as one process, or under `torchrun --nproc-per-node N stages/train.py` (DDP; gloo on CPU,
 nccl on GPU). Resume state lives in data/train_state/ (not a DVC output, so DVC never deletes it);
-checkpoints made under other params are pruned.
+checkpoints made under other params are set aside, then deleted once this run has saved one
+(README: "Training longer, and what a resume keeps").
 """
 import json
 import os

@@ -7,6 +7,10 @@
                                              two tensor files; written last = the commit mark
 A checkpoint whose files are missing, truncated or do not match their recorded hashes is refused
 with a message and the next older one is tried.
+
+Checkpoints made under other params (another fingerprint) are moved to <dir>/stale-<fingerprint>/,
+not deleted: switching the params back brings them back. They are deleted once a run under the new
+params has saved a checkpoint of its own.
 """
 from __future__ import annotations
 
@@ -64,9 +68,27 @@ def save_checkpoint(root: Path, step: int, model_state: dict, opt_tensors: dict,
     write_json(tmp / "meta.json", meta)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
+    prune(root, step, keep)
+    return final
+
+
+def prune(root: Path, step: int, keep: int) -> None:
+    """After saving `step`: keep the newest `keep` checkpoints up to it. Newer ones belong to a run this
+    one has replaced (train.steps lowered below them; corrupt ones it could not resume from), and the
+    ones set aside under other params are no longer needed."""
+    for old in list_checkpoints(root):
+        if checkpoint_step(old) > step:
+            log.warning("removing %s: beyond step %d, from which this run has saved", old, step)
+            shutil.rmtree(old, ignore_errors=True)
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    return final
+    for stale in root.glob("stale-*"):
+        log.info("removing %s: checkpoints of other params, superseded by this run's", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(path.name.removeprefix("ckpt-"))
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -96,9 +118,19 @@ def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
         raise CheckpointError(f"{path}: cannot read tensors: {e}") from None
 
 
-def latest_valid(root: Path, fingerprint: str) -> tuple[Path, dict, dict, dict] | None:
-    """Newest checkpoint that reads back and belongs to this run's params; bad ones are reported."""
+def read_meta(path: Path) -> dict | None:
+    try:
+        return json.loads((path / "meta.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # unreadable ones are reported when a resume tries them
+
+
+def latest_valid(root: Path, fingerprint: str, max_step: int) -> tuple[Path, dict, dict, dict] | None:
+    """Newest checkpoint at or below `max_step` that reads back and belongs to this run's params; bad
+    ones are reported."""
     for path in reversed(list_checkpoints(root)):
+        if checkpoint_step(path) > max_step:
+            continue
         try:
             model, opt, meta = read_checkpoint(path)
         except CheckpointError as e:
@@ -110,13 +142,30 @@ def latest_valid(root: Path, fingerprint: str) -> tuple[Path, dict, dict, dict] 
     return None
 
 
-def prune_stale(root: Path, fingerprint: str) -> None:
-    """DVC does not clean resume state: drop checkpoints made under other params."""
+def steps_beyond(root: Path, fingerprint: str, max_step: int) -> list[int]:
+    """Steps of this run's checkpoints past `max_step` (train.steps was lowered below them)."""
+    return [checkpoint_step(p) for p in list_checkpoints(root)
+            if checkpoint_step(p) > max_step and (read_meta(p) or {}).get("fingerprint") == fingerprint]
+
+
+def set_aside_stale(root: Path, fingerprint: str) -> None:
+    """DVC does not clean resume state. Checkpoints made under other params move to
+    stale-<their fingerprint>/ (deleted by `prune` once this run has saved one); this run's own, set
+    aside by a run under other params that saved nothing, come back."""
     for path in list_checkpoints(root):
-        try:
-            meta = json.loads((path / "meta.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            continue  # unreadable ones are handled (reported) by latest_valid
-        if meta.get("fingerprint") != fingerprint:
-            log.info("pruning checkpoint %s made under other params", path)
-            shutil.rmtree(path, ignore_errors=True)
+        meta = read_meta(path)
+        if meta is None or meta.get("fingerprint") == fingerprint:
+            continue
+        aside = root / f"stale-{meta.get('fingerprint')}"
+        aside.mkdir(exist_ok=True)
+        shutil.rmtree(aside / path.name, ignore_errors=True)
+        path.rename(aside / path.name)
+        log.warning("checkpoint %s was made under other params: moved to %s (deleted once this run saves "
+                    "a checkpoint; switch the params back before that to resume it)", path.name, aside)
+    mine = root / f"stale-{fingerprint}"
+    if mine.is_dir():
+        for path in list_checkpoints(mine):
+            if not (root / path.name).exists():
+                path.rename(root / path.name)
+                log.info("checkpoint %s of these params is back from %s", path.name, mine)
+        shutil.rmtree(mine, ignore_errors=True)

@@ -29,9 +29,19 @@ def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path) -> DraftMod
     return model
 
 
+# Train settings that decide how a run executes or how far it goes, not the trajectory it follows, so
+# they may change between a checkpoint and its resume: `steps` only moves the schedule's horizon (the
+# trainer logs the LR jump), `layers` counts through the resolved layer list. Every other field, present
+# or added later, is in the fingerprint. The world size is checked on its own (a resume under another
+# one is refused, see Trainer.restore).
+RESUME_NEUTRAL = ("steps", "checkpoint_every", "keep_checkpoints", "num_workers", "threads", "launcher", "layers")
+
+
 def resume_fingerprint(cfg: TrainConfig, layers: list[int], target_id: str, manifest: dict) -> str:
-    """Checkpoints resume only into a run with the same fingerprint."""
-    return fingerprint({"train": to_dict(cfg), "layers": layers, "target": target_id,
+    """Checkpoints resume only into a run with the same fingerprint: same trajectory settings, draft
+    input layers, target and cache content."""
+    trajectory = {k: v for k, v in to_dict(cfg).items() if k not in RESUME_NEUTRAL}
+    return fingerprint({"train": trajectory, "layers": layers, "target": target_id,
                         "cache": [manifest["parts"], manifest["dtype"]]})
 
 

@@ -13,7 +13,7 @@ import logging
 import random
 from contextlib import nullcontext
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +24,8 @@ from deepspec.config import TrainConfig
 from deepspec.loader.collate import collate
 from deepspec.loader.prefetch import Prefetcher
 from deepspec.loader.sampler import ResumableBatchSampler
-from deepspec.train.checkpoint import (latest_valid, load_optimizer_tensors, optimizer_tensors, prune_stale,
-                                       save_checkpoint)
+from deepspec.train.checkpoint import (CheckpointError, latest_valid, load_optimizer_tensors, optimizer_tensors,
+                                       save_checkpoint, set_aside_stale, steps_beyond)
 from deepspec.train.loss import anchor_generator, sample_anchors, slot_weights
 from deepspec.train.schedule import lr_factor
 
@@ -77,14 +77,25 @@ class Trainer:
 
     # ---- resume --------------------------------------------------------------------------------
     def restore(self) -> bool:
+        """Resume from the newest intact checkpoint of these params at or below `cfg.steps` (with
+        `steps` raised, the schedule's horizon moves to the new value from the resume step on)."""
         if self.rank == 0:
-            prune_stale(self.state_dir, self.fingerprint)
+            set_aside_stale(self.state_dir, self.fingerprint)
         if self.world_size > 1:
             torch.distributed.barrier()
-        found = latest_valid(self.state_dir, self.fingerprint)
+        found = latest_valid(self.state_dir, self.fingerprint, self.cfg.steps)
+        beyond = steps_beyond(self.state_dir, self.fingerprint, self.cfg.steps)
         if found is None:
+            if beyond:
+                raise CheckpointError(
+                    f"{self.state_dir}: checkpoints at steps {beyond} are all beyond train.steps={self.cfg.steps} "
+                    f"and none is at or below it: raise train.steps to continue from one, or move "
+                    f"{self.state_dir} aside to train from scratch")
             return False
         path, model_state, opt_state, meta = found
+        if beyond:
+            log.warning("checkpoints at steps %s are beyond train.steps=%d: resuming from %s; they are removed "
+                        "once this run saves a checkpoint", beyond, self.cfg.steps, path.name)
         if meta["world_size"] != self.world_size:
             raise ValueError(f"{path}: saved with world_size {meta['world_size']}, this run has {self.world_size}")
         self.model.load_state_dict(model_state, strict=False)
@@ -95,9 +106,20 @@ class Trainer:
                                 tokens=rank_state["tokens"])
         _set_rng_state(meta["rng"])
         self.last_metrics = meta.get("metrics", {})
+        self._log_horizon_change(meta["scheduler"]["steps"])
         log.info("resumed from %s (step %d, epoch %d, batch %d)", path, self.state.step, self.state.epoch,
                  self.state.position)
         return True
+
+    def _log_horizon_change(self, old_steps: int) -> None:
+        if old_steps == self.cfg.steps:
+            return
+        step = self.state.step
+        old = self.cfg.lr * lr_factor(step, replace(self.cfg, steps=old_steps))
+        new = self.cfg.lr * lr_factor(step, self.cfg)
+        log.warning("train.steps changed from %d to %d since the checkpoint at step %d: LR at step %d %.3e under "
+                    "the old horizon, %.3e now (the schedule's horizon is the new steps from here on)",
+                    old_steps, self.cfg.steps, step, step, old, new)
 
     def save(self) -> Path | None:
         ranks = self._gather({"epoch": self.state.epoch, "position": self.state.position,
@@ -109,7 +131,7 @@ class Trainer:
         meta = {"fingerprint": self.fingerprint, "world_size": self.world_size, "epoch": self.state.epoch,
                 "ranks": {str(r): {k: v for k, v in s.items() if k != "sampler"} for r, s in enumerate(ranks)},
                 "sampler": {str(r): s["sampler"] for r, s in enumerate(ranks)},
-                "scheduler": {"name": self.cfg.schedule, "step": self.state.step},
+                "scheduler": {"name": self.cfg.schedule, "step": self.state.step, "steps": self.cfg.steps},
                 "optimizer": opt_meta, "rng": _rng_state(), "metrics": self.last_metrics}
         state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("rotary.")}
         path = save_checkpoint(self.state_dir, self.state.step, state, opt_tensors, meta, self.cfg.keep_checkpoints)
