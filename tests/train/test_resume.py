@@ -286,6 +286,16 @@ def test_model_and_optimizer_state_load_strictly(tmp_path, small_cache, trained_
     assert [p.name for p in list_checkpoints(state)] == ["ckpt-00000010"]  # refused, not removed
 
 
+def test_a_resume_under_another_world_size_is_refused_with_what_to_do(tmp_path, small_cache, trained_target):
+    train(tmp_path, small_cache, trained_target, steps=10)
+    meta_path = list_checkpoints(tmp_path / "state")[-1] / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps(dict(meta, world_size=2)))  # as if saved by a 2-process run
+    with pytest.raises(CheckpointError, match="saved by a run with world size 2, this run has 1.*rerun with 2 "
+                                              "processes, or move .* aside"):
+        train(tmp_path, small_cache, trained_target, steps=10)
+
+
 # a rank of a multi-node run sees its own node's disk: this driver gives each rank its own directory
 NODE_DRIVER = """
 import os, runpy, sys
