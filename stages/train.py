@@ -2,7 +2,8 @@
 
 Runs as one process, or under `torchrun --nproc-per-node N stages/train.py` (DDP; gloo on CPU,
 nccl on GPU). Resume state lives in data/train_state/ (not a DVC output, so DVC never deletes it);
-checkpoints made under other params are pruned.
+checkpoints made under other params are set aside, then deleted once this run has saved one
+(README: "Training longer, and what a resume keeps").
 """
 import json
 import os
@@ -14,6 +15,7 @@ from deepspec.cache.format import CacheFormatError
 from deepspec.stage import StageError, configure_threads, run_stage
 from deepspec.train.checkpoint import CheckpointError
 from deepspec.train.run import run_training
+from deepspec.train.trainer import TrainError
 
 
 def main(params):
@@ -22,13 +24,15 @@ def main(params):
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
         else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the object collectives (resume agreement, checkpoint gather) use it
     if world > 1:
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         final = run_training(cfg, params.train_layers, params.cache.url, Path("data/target"), Path("data/draft"),
                              Path("data/train"), Path("data/train_state"), params.cache.storage_options,
                              rank, world, device)
-    except (CacheFormatError, CheckpointError) as e:
+    except (CacheFormatError, CheckpointError, TrainError) as e:
         raise StageError(str(e)) from None
     finally:
         if world > 1:

@@ -30,6 +30,7 @@ class TargetCacheDataset(Dataset):
         unknown = [f for f in fields if f not in FIELDS]
         if unknown:
             raise ValueError(f"unknown fields {unknown} (known: {list(FIELDS)})")
+        self.url = url
         self.reader = CacheReader(url, storage_options, expect=expect, verify=verify, fast=fast,
                                   cache_dir=cache_dir)
         cached = self.reader.layers

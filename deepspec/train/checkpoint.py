@@ -2,11 +2,18 @@
 
     <dir>/ckpt-<step>/model.safetensors      all draft weights
     <dir>/ckpt-<step>/optimizer.safetensors  AdamW state per parameter (exp_avg, exp_avg_sq, step)
-    <dir>/ckpt-<step>/meta.json              step, epoch, sampler position/state, lr scheduler state,
-                                             RNG states, world size, params fingerprint, sha256 of the
-                                             two tensor files; written last = the commit mark
+    <dir>/ckpt-<step>/meta.json              step, epoch, per rank: sampler position/state and RNG
+                                             states; lr scheduler state (with the run's `steps`), world
+                                             size, params fingerprint, names of parameters without
+                                             optimizer state, sha256 of the two tensor files; written
+                                             last = the commit mark
 A checkpoint whose files are missing, truncated or do not match their recorded hashes is refused
-with a message and the next older one is tried.
+with a message and the next older one is tried (with several ranks: one that every rank reads, see
+Trainer.restore). A well-formed checkpoint whose tensors do not match the draft is an error.
+
+Checkpoints made under other params (another fingerprint) are moved to <dir>/stale-<fingerprint>/,
+not deleted: switching the params back brings them back. They are deleted once a run under the new
+params has saved a checkpoint of its own.
 """
 from __future__ import annotations
 
@@ -27,29 +34,75 @@ class CheckpointError(ValueError):
     pass
 
 
+ADAMW_STATE = ("exp_avg", "exp_avg_sq", "step")
+
+
 def optimizer_tensors(opt: torch.optim.Optimizer, names: list[str]) -> tuple[dict, dict]:
-    """Flatten AdamW state to {"<param>.<key>": tensor} plus the JSON-able hyperparameters."""
+    """Flatten AdamW state to {"<param>.<key>": tensor} plus the JSON-able hyperparameters and the
+    names of the parameters without state (never had a gradient)."""
     tensors, groups = {}, []
     for group in opt.param_groups:
         groups.append({k: v for k, v in group.items() if k != "params"})
-    index = {id(p): names[i] for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    index = {id(p): names[i] for i, p in enumerate(params)}
     for p, state in opt.state.items():
         for key, value in state.items():
             t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
             tensors[f"{index[id(p)]}.{key}"] = t.detach().contiguous().cpu()
-    return tensors, {"param_groups": groups}
+    stateless = [index[id(p)] for p in params if not opt.state.get(p)]
+    return tensors, {"param_groups": groups, "stateless": stateless}
+
+
+def check_optimizer_state(opt: torch.optim.Optimizer, names: list[str], tensors: dict, meta: dict) -> None:
+    """Strict: AdamW state for every parameter (but those saved as never having had a gradient), of
+    the parameter's shape, and nothing else."""
+    if len(meta["param_groups"]) != len(opt.param_groups):
+        raise CheckpointError(f"optimizer state has {len(meta['param_groups'])} parameter groups, this run's "
+                              f"optimizer {len(opt.param_groups)}")
+    shapes = {name: p.shape for name, p in zip(names, (p for g in opt.param_groups for p in g["params"]))}
+    saved: dict[str, dict] = {}
+    for key, t in tensors.items():
+        name, _, part = key.rpartition(".")
+        if name not in shapes or part not in ADAMW_STATE:
+            raise CheckpointError(f"optimizer state has {key!r}, not AdamW state of a parameter of this draft")
+        saved.setdefault(name, {})[part] = t
+    stateless = set(meta.get("stateless", []))
+    for name, shape in shapes.items():
+        got = saved.get(name, {})
+        if not got and name in stateless:
+            continue
+        if not got:
+            raise CheckpointError(f"no optimizer state for {name}")
+        if set(got) != set(ADAMW_STATE):
+            raise CheckpointError(f"optimizer state of {name} has {sorted(got)}, AdamW keeps {sorted(ADAMW_STATE)}")
+        for part in ("exp_avg", "exp_avg_sq"):
+            if got[part].shape != shape:
+                raise CheckpointError(f"optimizer state {name}.{part} has shape {list(got[part].shape)}, the "
+                                      f"parameter {list(shape)}")
 
 
 def load_optimizer_tensors(opt: torch.optim.Optimizer, names: list[str], tensors: dict, meta: dict) -> None:
+    """After `check_optimizer_state`. `step` stays on the CPU, as torch keeps it (not capturable)."""
     params = [p for g in opt.param_groups for p in g["params"]]
-    if len(params) != len(names):
-        raise CheckpointError("optimizer parameter count differs from the checkpoint")
     for p, name in zip(params, names):
-        state = {k.split(".")[-1]: v.to(p.device) for k, v in tensors.items() if k.rsplit(".", 1)[0] == name}
+        state = {k.split(".")[-1]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == name}
         if state:
-            opt.state[p] = state
+            opt.state[p] = {k: v if k == "step" else v.to(p.device) for k, v in state.items()}
     for group, saved in zip(opt.param_groups, meta["param_groups"]):
         group.update({k: v for k, v in saved.items() if k in group})
+
+
+def check_model_state(model: torch.nn.Module, state: dict) -> None:
+    """Strict: exactly the draft's persistent tensors, of their shapes (the rotary buffers are
+    non-persistent: recomputed, never saved)."""
+    expected = {k: v for k, v in model.state_dict().items() if not k.startswith("rotary.")}
+    missing = sorted(k for k in expected if k not in state)
+    unexpected = sorted(k for k in state if k not in expected)
+    shapes = [f"{k} {list(state[k].shape)} (draft {list(v.shape)})" for k, v in expected.items()
+              if k in state and state[k].shape != v.shape]
+    if missing or unexpected or shapes:
+        raise CheckpointError(f"model state does not match this draft: missing {missing[:5]}, unexpected "
+                              f"{unexpected[:5]}, other shapes {shapes[:5]}")
 
 
 def save_checkpoint(root: Path, step: int, model_state: dict, opt_tensors: dict, meta: dict, keep: int) -> Path:
@@ -64,9 +117,27 @@ def save_checkpoint(root: Path, step: int, model_state: dict, opt_tensors: dict,
     write_json(tmp / "meta.json", meta)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
+    prune(root, step, keep)
+    return final
+
+
+def prune(root: Path, step: int, keep: int) -> None:
+    """After saving `step`: keep the newest `keep` checkpoints up to it. Newer ones belong to a run this
+    one has replaced (train.steps lowered below them; corrupt ones it could not resume from), and the
+    ones set aside under other params are no longer needed."""
+    for old in list_checkpoints(root):
+        if checkpoint_step(old) > step:
+            log.warning("removing %s: beyond step %d, from which this run has saved", old, step)
+            shutil.rmtree(old, ignore_errors=True)
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    return final
+    for stale in root.glob("stale-*"):
+        log.info("removing %s: checkpoints of other params, superseded by this run's", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(path.name.removeprefix("ckpt-"))
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -77,6 +148,8 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     """(model tensors, optimizer tensors, meta) or CheckpointError saying what is wrong."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not found")
     meta_path = path / "meta.json"
     if not meta_path.exists():
         raise CheckpointError(f"{path}: no meta.json (interrupted while saving)")
@@ -96,27 +169,52 @@ def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
         raise CheckpointError(f"{path}: cannot read tensors: {e}") from None
 
 
-def latest_valid(root: Path, fingerprint: str) -> tuple[Path, dict, dict, dict] | None:
-    """Newest checkpoint that reads back and belongs to this run's params; bad ones are reported."""
+def read_meta(path: Path) -> dict | None:
+    try:
+        return json.loads((path / "meta.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # unreadable ones are reported when a resume tries them
+
+
+def valid_checkpoints(root: Path, fingerprint: str, max_step: int):
+    """This run's checkpoints at or below `max_step` that read back intact, newest first, as
+    (path, model tensors, optimizer tensors, meta); bad ones are reported and skipped."""
     for path in reversed(list_checkpoints(root)):
+        if checkpoint_step(path) > max_step:
+            continue
         try:
             model, opt, meta = read_checkpoint(path)
         except CheckpointError as e:
             log.warning("refusing checkpoint: %s; trying an older one", e)
             continue
-        if meta.get("fingerprint") != fingerprint:
-            continue
-        return path, model, opt, meta
-    return None
+        if meta.get("fingerprint") == fingerprint:
+            yield path, model, opt, meta
 
 
-def prune_stale(root: Path, fingerprint: str) -> None:
-    """DVC does not clean resume state: drop checkpoints made under other params."""
+def steps_beyond(root: Path, fingerprint: str, max_step: int) -> list[int]:
+    """Steps of this run's checkpoints past `max_step` (train.steps was lowered below them)."""
+    return [checkpoint_step(p) for p in list_checkpoints(root)
+            if checkpoint_step(p) > max_step and (read_meta(p) or {}).get("fingerprint") == fingerprint]
+
+
+def set_aside_stale(root: Path, fingerprint: str) -> None:
+    """DVC does not clean resume state. Checkpoints made under other params move to
+    stale-<their fingerprint>/ (deleted by `prune` once this run has saved one); this run's own, set
+    aside by a run under other params that saved nothing, come back."""
     for path in list_checkpoints(root):
-        try:
-            meta = json.loads((path / "meta.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            continue  # unreadable ones are handled (reported) by latest_valid
-        if meta.get("fingerprint") != fingerprint:
-            log.info("pruning checkpoint %s made under other params", path)
-            shutil.rmtree(path, ignore_errors=True)
+        meta = read_meta(path)
+        if meta is None or meta.get("fingerprint") == fingerprint:
+            continue
+        aside = root / f"stale-{meta.get('fingerprint')}"
+        aside.mkdir(exist_ok=True)
+        shutil.rmtree(aside / path.name, ignore_errors=True)
+        path.rename(aside / path.name)
+        log.warning("checkpoint %s was made under other params: moved to %s (deleted once this run saves "
+                    "a checkpoint; switch the params back before that to resume it)", path.name, aside)
+    mine = root / f"stale-{fingerprint}"
+    if mine.is_dir():
+        for path in list_checkpoints(mine):
+            if not (root / path.name).exists():
+                path.rename(root / path.name)
+                log.info("checkpoint %s of these params is back from %s", path.name, mine)
+        shutil.rmtree(mine, ignore_errors=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -26,14 +27,35 @@ class Anchors:
     keep: torch.Tensor       # [B, N] bool: a real anchor
 
 
+ANCHOR_BOUNDS = {"seed": 2**64, "step": 2**38, "micro-batch": 1024, "rank": 2**16}
+
+
+def anchor_key(seed: int, step: int, micro: int, rank: int) -> tuple[int, int]:
+    """The 128-bit Philox key of the anchor draw of micro-batch `micro` of optimizer step `step` on
+    `rank`: (seed, step * 2^26 + micro * 2^16 + rank). Within ANCHOR_BOUNDS (grad_accum up to 1024,
+    up to 65,536 ranks, 2^38 steps) distinct tuples are distinct keys, i.e. distinct streams, by
+    construction. (torch's CPU generator would not do: it keeps only 32 bits of its seed.)"""
+    for name, value in (("seed", seed), ("step", step), ("micro-batch", micro), ("rank", rank)):
+        if not 0 <= value < ANCHOR_BOUNDS[name]:
+            raise ValueError(f"anchor seed: {name} {value} outside [0, {ANCHOR_BOUNDS[name]})")
+    return seed, (step << 26) | (micro << 16) | rank
+
+
+def anchor_generator(seed: int, step: int, micro: int, rank: int) -> np.random.Generator:
+    return np.random.Generator(np.random.Philox(key=np.array(anchor_key(seed, step, micro, rank), dtype=np.uint64)))
+
+
 def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num: int,
-                   generator: torch.Generator) -> Anchors:
+                   generator: np.random.Generator | torch.Generator) -> Anchors:
     B, T = loss_mask.shape
     lm = loss_mask.bool()
     ok = torch.zeros_like(lm)
     ok[:, :-1] = lm[:, :-1] & lm[:, 1:]
     ok &= torch.arange(T, device=lm.device)[None, :] < (lengths[:, None] - 1)
-    noise = torch.rand((B, T), generator=generator).to(lm.device)
+    if isinstance(generator, np.random.Generator):
+        noise = torch.from_numpy(generator.random((B, T), dtype=np.float32)).to(lm.device)
+    else:
+        noise = torch.rand((B, T), generator=generator).to(lm.device)
     noise = torch.where(ok, noise, torch.full_like(noise, 2.0))  # invalid positions sort last
     n = min(num, T)
     order = noise.argsort(dim=1)[:, :n]

@@ -29,9 +29,25 @@ def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path) -> DraftMod
     return model
 
 
-def run_training(cfg: TrainConfig, layers: list[int], cache_url: str, target_dir: Path, draft_dir: Path,
-                 out_dir: Path, state_dir: Path, storage_options: dict | None = None, rank: int = 0,
-                 world: int = 1, device: torch.device | None = None) -> dict:
+# Train settings that decide how a run executes or how far it goes, not the trajectory it follows, so
+# they may change between a checkpoint and its resume: `steps` only moves the schedule's horizon (the
+# trainer logs the LR jump), `layers` counts through the resolved layer list. Every other field, present
+# or added later, is in the fingerprint. The world size is checked on its own (a resume under another
+# one is refused, see Trainer.restore).
+RESUME_NEUTRAL = ("steps", "checkpoint_every", "keep_checkpoints", "num_workers", "threads", "launcher", "layers")
+
+
+def resume_fingerprint(cfg: TrainConfig, layers: list[int], target_id: str, manifest: dict) -> str:
+    """Checkpoints resume only into a run with the same fingerprint: same trajectory settings, draft
+    input layers, target and cache content."""
+    trajectory = {k: v for k, v in to_dict(cfg).items() if k not in RESUME_NEUTRAL}
+    return fingerprint({"train": trajectory, "layers": layers, "target": target_id,
+                        "cache": [manifest["parts"], manifest["dtype"]]})
+
+
+def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_dir: Path, out_dir: Path,
+                  state_dir: Path, storage_options: dict | None = None, rank: int = 0, world: int = 1,
+                  device: torch.device | None = None) -> Trainer:
     device = device or torch.device("cpu")
     identity = load_identity(target_dir)
     dataset = TargetCacheDataset(cache_url, layers=layers, storage_options=storage_options,
@@ -41,14 +57,20 @@ def run_training(cfg: TrainConfig, layers: list[int], cache_url: str, target_dir
     if world > 1:
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True)
-    fp = fingerprint({"train": to_dict(cfg), "layers": layers, "target": identity["id"],
-                      "cache": [dataset.manifest["parts"], dataset.manifest["dtype"]]})
+    fp = resume_fingerprint(cfg, layers, identity["id"], dataset.manifest)
     # dvclive starts a fresh curve unless the trainer resumes (then it keeps the steps up to the checkpoint)
     callbacks = [ProgressBar(), DvcLiveMetrics(out_dir / "live"), JsonMetrics(out_dir / "metrics.json")]
-    trainer = Trainer(model, dataset, cfg, state_dir, fp, callbacks, rank, world, device, ddp)
+    return Trainer(model, dataset, cfg, state_dir, fp, callbacks, rank, world, device, ddp)
+
+
+def run_training(cfg: TrainConfig, layers: list[int], cache_url: str, target_dir: Path, draft_dir: Path,
+                 out_dir: Path, state_dir: Path, storage_options: dict | None = None, rank: int = 0,
+                 world: int = 1, device: torch.device | None = None) -> dict:
+    trainer = build_trainer(cfg, layers, cache_url, target_dir, out_dir, state_dir, storage_options, rank, world,
+                            device)
     final = trainer.fit()
     if rank == 0:
         if draft_dir.exists():
             shutil.rmtree(draft_dir)
-        model.save(draft_dir)
+        trainer.model.save(draft_dir)
     return final

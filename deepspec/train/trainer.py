@@ -2,18 +2,22 @@
 
 One optimizer step = `grad_accum` micro-batches on every rank. The loss of a step is normalised by
 the slot weights of the whole global batch (all micro-batches, all ranks), so N processes with
-batch b train like one process with batch N*b. Anchors come from a generator seeded by
-(seed, step, micro-batch, rank): a resumed run draws exactly what the uninterrupted one drew.
-Resume restores weights, AdamW state, the step (the LR schedule is a function of it), the
-sampler's epoch/position and the RNG states, from the newest checkpoint that reads back intact.
+batch b train like one process with batch N*b. Anchors come from a Philox stream keyed by
+(seed, step, micro-batch, rank), distinct for every tuple by construction (loss.anchor_key): a
+resumed run draws exactly what the uninterrupted one drew. Resume restores weights, AdamW state
+(strictly: every tensor, every parameter), the step (the LR schedule is a function of it), each
+rank's sampler epoch/position and RNG states (torch, Python, NumPy, CUDA), from the newest
+checkpoint that every rank reads back intact: rank 0 chooses, all ranks load the same step or all
+stop.
 """
 from __future__ import annotations
 
+import base64
 import logging
 import random
 from contextlib import nullcontext
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,13 +28,18 @@ from deepspec.config import TrainConfig
 from deepspec.loader.collate import collate
 from deepspec.loader.prefetch import Prefetcher
 from deepspec.loader.sampler import ResumableBatchSampler
-from deepspec.train.checkpoint import (latest_valid, load_optimizer_tensors, optimizer_tensors, prune_stale,
-                                       save_checkpoint)
-from deepspec.train.loss import sample_anchors, slot_weights
+from deepspec.train.checkpoint import (CheckpointError, check_model_state, check_optimizer_state, checkpoint_step,
+                                       load_optimizer_tensors, optimizer_tensors, read_checkpoint, save_checkpoint,
+                                       set_aside_stale, steps_beyond, valid_checkpoints)
+from deepspec.train.loss import anchor_generator, anchor_key, sample_anchors, slot_weights
 from deepspec.train.schedule import lr_factor
 
 log = logging.getLogger(__name__)
 LOSS_TERMS = ("loss", "ce", "l1", "conf")
+
+
+class TrainError(ValueError):
+    """A run that cannot start as configured (no batch for some rank, settings past a stated bound)."""
 
 
 @dataclass
@@ -41,15 +50,39 @@ class TrainState:
     tokens: int = 0      # tokens seen by this rank
 
 
-def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state().tolist(), "python": list(random.getstate()[1]),
-            "numpy_seed_pos": int(np.random.get_state()[2])}
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
 
 
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    py = random.getstate()
-    random.setstate((py[0], tuple(state["python"]), py[2]))
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def _rng_state(device: torch.device | None = None) -> dict:
+    """Every global RNG state (torch CPU, Python, NumPy, this rank's CUDA device), JSON-able."""
+    version, internal, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": _b64(torch.get_rng_state()), "python": [version, list(internal), gauss],
+             "numpy": {"keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                       "cached_gaussian": float(cached)}}
+    if device is not None and device.type == "cuda":
+        state["cuda"] = _b64(torch.cuda.get_rng_state(device))
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device | None = None) -> None:
+    torch.set_rng_state(_unb64(state["torch"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    npy = state["numpy"]
+    np.random.set_state(("MT19937", np.array(npy["keys"], dtype=np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
+    on_cuda = device is not None and device.type == "cuda"
+    if on_cuda and "cuda" in state:
+        torch.cuda.set_rng_state(_unb64(state["cuda"]), device)
+    elif on_cuda or "cuda" in state:
+        log.warning("checkpoint saved %s CUDA, resumed %s: the CUDA RNG state is not restored",
+                    "with" if "cuda" in state else "without", "with" if on_cuda else "without")
 
 
 class Trainer:
@@ -73,35 +106,155 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.sampler = ResumableBatchSampler(dataset.lengths(), batch_size=cfg.batch_size, seed=cfg.seed,
                                              rank=rank, world_size=world_size)
+        self._check_batches()
+        try:
+            anchor_key(cfg.seed, cfg.steps - 1, cfg.grad_accum - 1, world_size - 1)
+        except ValueError as e:
+            raise TrainError(f"train.seed={cfg.seed}, train.steps={cfg.steps}, train.grad_accum={cfg.grad_accum}, "
+                             f"world size {world_size}: {e}") from None
         self.autocast = self.device.type == "cuda"
+
+    def _check_batches(self) -> None:
+        """Every rank needs a batch in every epoch, or the batch loop below never yields."""
+        if len(self.sampler) > 0:
+            return
+        n, bs, world = len(self.sampler.lengths), self.cfg.batch_size, self.world_size
+        where = getattr(self.dataset, "url", "the dataset")
+        if n == 0:
+            raise TrainError(f"{where}: the cache holds 0 samples: nothing to train on (did the cache stage "
+                             "get any rows?)")
+        batches = -(-n // bs)  # before the cut to a multiple of the world size
+        raise TrainError(f"{where}: {n} samples in the cache make {batches} batch{'es' if batches > 1 else ''} "
+                         f"of batch_size {bs}, fewer than the world size {world}, so no rank gets a batch: lower "
+                         f"train.batch_size to at most {max(1, n // world)} or run fewer processes")
 
     # ---- resume --------------------------------------------------------------------------------
     def restore(self) -> bool:
+        """Resume from the newest checkpoint of these params at or below `cfg.steps` that every rank
+        reads back intact (with `steps` raised, the schedule's horizon moves to the new value from the
+        resume step on). Rank 0 proposes, every rank checks the same step, all load it or none does."""
         if self.rank == 0:
-            prune_stale(self.state_dir, self.fingerprint)
-        if self.world_size > 1:
-            torch.distributed.barrier()
-        found = latest_valid(self.state_dir, self.fingerprint)
-        if found is None:
+            set_aside_stale(self.state_dir, self.fingerprint)
+        chosen = self._agree_on_checkpoint()
+        if chosen is None:
             return False
-        path, model_state, opt_state, meta = found
-        if meta["world_size"] != self.world_size:
-            raise ValueError(f"{path}: saved with world_size {meta['world_size']}, this run has {self.world_size}")
-        self.model.load_state_dict(model_state, strict=False)
+        path, model_state, opt_state, meta = chosen
+        self.model.load_state_dict(model_state, strict=True)
         load_optimizer_tensors(self.optimizer, self.param_names, opt_state, meta["optimizer"])
         self.sampler.load_state_dict(meta["sampler"][str(self.rank)])
         rank_state = meta["ranks"][str(self.rank)]
         self.state = TrainState(step=meta["step"], epoch=rank_state["epoch"], position=rank_state["position"],
                                 tokens=rank_state["tokens"])
-        _set_rng_state(meta["rng"])
+        _set_rng_state(rank_state["rng"], self.device)
         self.last_metrics = meta.get("metrics", {})
+        self._log_horizon_change(meta["scheduler"]["steps"])
         log.info("resumed from %s (step %d, epoch %d, batch %d)", path, self.state.step, self.state.epoch,
                  self.state.position)
         return True
 
+    def _agree_on_checkpoint(self):
+        """Rank 0 offers its newest intact checkpoint; every rank reads that step from its own view of
+        the state directory and checks it (the same files as rank 0's, strict model and optimizer
+        state). If any rank cannot use it, rank 0 offers the next older one. Returns what this rank
+        read, or None when rank 0 has nothing to offer (a fresh start on every rank); raises the same
+        CheckpointError on every rank when no offer suits all of them."""
+        offers = valid_checkpoints(self.state_dir, self.fingerprint, self.cfg.steps) if self.rank == 0 else None
+        refused: list[str] = []
+        while True:
+            mine, offer, error = self._next_offer(offers, refused) if self.rank == 0 else (None, None, None)
+            offer, error = self._broadcast((offer, error))
+            if error:
+                raise CheckpointError(error)
+            if offer is None:
+                return None
+            path = self.state_dir / f"ckpt-{offer['step']:08d}"
+            mine, problem = self._take_offer(path, offer, mine)
+            problems = [p for p in self._gather(problem) if p]
+            if not problems:
+                if self.rank == 0:
+                    self._warn_beyond(path)
+                return mine
+            if self.rank == 0:
+                refused.append(f"step {offer['step']}: {', '.join(problems)}")
+                log.warning("checkpoint at step %d refused (%s); trying an older one", offer["step"],
+                            ", ".join(problems))
+
+    def _next_offer(self, offers, refused: list[str]):
+        """Rank 0: (its checkpoint, the offer, None), or (None, None, the error every rank raises, or
+        None for a fresh start)."""
+        mine = next(offers, None)
+        if mine is not None:
+            return mine, {"step": checkpoint_step(mine[0]), "files": mine[3]["files"]}, \
+                self._refuse_world_size(mine[0], mine[3])
+        if refused and self.world_size > 1:
+            return None, None, (f"no checkpoint in {self.state_dir} can be resumed by every rank: "
+                                f"{'; '.join(refused)}. Every rank must see the same {self.state_dir} (on several "
+                                "nodes: a shared filesystem), or move it aside to train from scratch")
+        if refused:
+            return None, None, (f"no checkpoint in {self.state_dir} can be resumed: {'; '.join(refused)}. Move "
+                                f"{self.state_dir} aside to train from scratch")
+        return None, None, self._refuse_beyond()
+
+    def _take_offer(self, path: Path, offer: dict, mine):
+        """(this rank's copy of the offered checkpoint, None) once it reads back with rank 0's file
+        hashes and strictly matches the draft and optimizer; else (None, the reason)."""
+        try:
+            if mine is None:  # rank 0 has read it already
+                mine = (path, *read_checkpoint(path))
+                if mine[3].get("files") != offer["files"]:
+                    raise CheckpointError(f"{path}: differs from rank 0's copy")
+            try:
+                check_model_state(self.model, mine[1])
+                check_optimizer_state(self.optimizer, self.param_names, mine[2], mine[3]["optimizer"])
+            except CheckpointError as e:
+                raise CheckpointError(f"{path}: {e}") from None
+        except CheckpointError as e:
+            return None, (f"rank {self.rank}: {e}" if self.world_size > 1 else str(e))
+        return mine, None
+
+    def _refuse_world_size(self, path: Path, meta: dict) -> str | None:
+        """The data's rank slices and the global batch depend on the world size: a run under another
+        one cannot continue that trajectory (kept as a refusal, with what to do)."""
+        if meta["world_size"] == self.world_size:
+            return None
+        return (f"{path}: saved by a run with world size {meta['world_size']}, this run has {self.world_size}; "
+                f"the data's rank slices and the global batch differ, so it cannot continue: rerun with "
+                f"{meta['world_size']} processes, or move {self.state_dir} aside to train from scratch")
+
+    def _refuse_beyond(self) -> str | None:
+        beyond = steps_beyond(self.state_dir, self.fingerprint, self.cfg.steps)
+        if not beyond:
+            return None
+        return (f"{self.state_dir}: checkpoints at steps {beyond} are all beyond train.steps={self.cfg.steps} and "
+                f"none is at or below it: raise train.steps to continue from one, or move {self.state_dir} aside "
+                f"to train from scratch")
+
+    def _warn_beyond(self, path: Path) -> None:
+        beyond = steps_beyond(self.state_dir, self.fingerprint, self.cfg.steps)
+        if beyond:
+            log.warning("checkpoints at steps %s are beyond train.steps=%d: resuming from %s; they are removed "
+                        "once this run saves a checkpoint", beyond, self.cfg.steps, path.name)
+
+    def _broadcast(self, obj):
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
+        return box[0]
+
+    def _log_horizon_change(self, old_steps: int) -> None:
+        if old_steps == self.cfg.steps:
+            return
+        step = self.state.step
+        old = self.cfg.lr * lr_factor(step, replace(self.cfg, steps=old_steps))
+        new = self.cfg.lr * lr_factor(step, self.cfg)
+        log.warning("train.steps changed from %d to %d since the checkpoint at step %d: LR at step %d %.3e under "
+                    "the old horizon, %.3e now (the schedule's horizon is the new steps from here on)",
+                    old_steps, self.cfg.steps, step, step, old, new)
+
     def save(self) -> Path | None:
         ranks = self._gather({"epoch": self.state.epoch, "position": self.state.position,
-                              "tokens": self.state.tokens,
+                              "tokens": self.state.tokens, "rng": _rng_state(self.device),
                               "sampler": self.sampler.state_dict(self.state.epoch, self.state.position)})
         if self.rank != 0:
             return None
@@ -109,8 +262,8 @@ class Trainer:
         meta = {"fingerprint": self.fingerprint, "world_size": self.world_size, "epoch": self.state.epoch,
                 "ranks": {str(r): {k: v for k, v in s.items() if k != "sampler"} for r, s in enumerate(ranks)},
                 "sampler": {str(r): s["sampler"] for r, s in enumerate(ranks)},
-                "scheduler": {"name": self.cfg.schedule, "step": self.state.step},
-                "optimizer": opt_meta, "rng": _rng_state(), "metrics": self.last_metrics}
+                "scheduler": {"name": self.cfg.schedule, "step": self.state.step, "steps": self.cfg.steps},
+                "optimizer": opt_meta, "metrics": self.last_metrics}
         state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("rotary.")}
         path = save_checkpoint(self.state_dir, self.state.step, state, opt_tensors, meta, self.cfg.keep_checkpoints)
         for cb in self.callbacks:
@@ -130,6 +283,7 @@ class Trainer:
         while True:
             self.sampler.set_epoch(self.state.epoch)
             self.sampler.position = self.state.position
+            self._check_batches()  # an epoch with no batch would loop here forever
             loader = DataLoader(self.dataset, batch_sampler=self.sampler, collate_fn=collate,
                                 num_workers=self.cfg.num_workers, pin_memory=self.device.type == "cuda",
                                 persistent_workers=False)
@@ -164,9 +318,8 @@ class Trainer:
             micro = []
             for m in range(cfg.grad_accum):
                 batch = next(batches)
-                gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1_009 + m * 101 + self.rank)
                 anchors = sample_anchors(batch["loss_mask"], batch["lengths"].to(batch["loss_mask"].device),
-                                         cfg.anchors_per_sample, gen)
+                                         cfg.anchors_per_sample, anchor_generator(cfg.seed, step, m, self.rank))
                 micro.append((batch, anchors))
             total = self._global_weight(micro)
             norm = max(total, 1e-6) / self.world_size  # DDP averages gradients over ranks

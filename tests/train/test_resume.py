@@ -1,0 +1,343 @@
+"""Resume: what the fingerprint covers, training longer or shorter, stale checkpoints set aside."""
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import typing
+from dataclasses import fields, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from deepspec.config import TrainConfig
+from deepspec.train.checkpoint import CheckpointError, list_checkpoints
+from deepspec.train.run import build_trainer, resume_fingerprint
+from deepspec.train.schedule import lr_factor
+from tests.conftest import REPO, project_env
+from tests.train.test_train import FAST, _stage_dir, losses, train
+
+# settings that change how a run is executed or how far it goes, not the trajectory it follows
+# (`layers` counts through the resolved layer list, passed on its own)
+RESUME_NEUTRAL = {"steps", "checkpoint_every", "keep_checkpoints", "num_workers", "threads", "launcher", "layers"}
+
+
+def _other(name: str, value, tp):
+    """A different valid-looking value of a TrainConfig field, from its type."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is typing.Literal:
+        return next(a for a in args if a != value)
+    if value is None:
+        inner = next(a for a in args if a is not type(None))
+        return [5] if typing.get_origin(inner) is list else inner(1)
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value + 0.25
+    if isinstance(value, list):
+        return value + [5]
+    if isinstance(value, str):
+        return value + " --other"
+    raise AssertionError(f"no perturbation for train.{name} ({tp})")
+
+
+def test_resume_fingerprint_covers_exactly_what_changes_the_trajectory():
+    manifest = {"parts": [{"name": "p0", "samples": 10}], "dtype": "bfloat16"}
+    base = TrainConfig()
+    fp = resume_fingerprint(base, [0, 2], "target-a", manifest)
+    hints = typing.get_type_hints(TrainConfig)
+    for f in fields(TrainConfig):
+        changed = replace(base, **{f.name: _other(f.name, getattr(base, f.name), hints[f.name])})
+        same = resume_fingerprint(changed, [0, 2], "target-a", manifest) == fp
+        assert same == (f.name in RESUME_NEUTRAL), f"train.{f.name}: fingerprint {'un' if same else ''}changed"
+    assert resume_fingerprint(base, [0, 1], "target-a", manifest) != fp
+    assert resume_fingerprint(base, [0, 2], "target-b", manifest) != fp
+    assert resume_fingerprint(base, [0, 2], "target-a", dict(manifest, parts=[{"name": "p0", "samples": 11}])) != fp
+    assert resume_fingerprint(base, [0, 2], "target-a", dict(manifest, dtype="float8_e4m3fn")) != fp
+
+
+def _lr_curve(tmp_path):
+    tsv = tmp_path / "train" / "live" / "plots" / "metrics" / "train" / "lr.tsv"
+    rows = [line.split("\t") for line in tsv.read_text().splitlines()]
+    step, lr = rows[0].index("step"), rows[0].index("lr")
+    return {int(r[step]): float(r[lr]) for r in rows[1:]}
+
+
+def test_raising_steps_continues_from_the_last_checkpoint_with_the_new_horizon(tmp_path, small_cache,
+                                                                               trained_target, caplog):
+    train(tmp_path, small_cache, trained_target, steps=20)  # checkpoints 10, 20
+    first = losses(tmp_path)
+    caplog.set_level(logging.INFO)
+    # also change every other setting that does not touch the trajectory
+    cfg, final = train(tmp_path, small_cache, trained_target, steps=40, checkpoint_every=20, keep_checkpoints=3,
+                       threads=1)
+    assert "resumed from" in caplog.text and "ckpt-00000020" in caplog.text
+    old_lr = cfg.lr * lr_factor(20, replace(cfg, steps=20))
+    new_lr = cfg.lr * lr_factor(20, cfg)
+    assert f"train.steps changed from 20 to 40 since the checkpoint at step 20: LR at step 20 {old_lr:.3e} " \
+           f"under the old horizon, {new_lr:.3e} now" in caplog.text
+    assert [p.name for p in list_checkpoints(tmp_path / "state")] == ["ckpt-00000010", "ckpt-00000020",
+                                                                      "ckpt-00000040"]
+    curve = losses(tmp_path)
+    assert len(curve) == 40 and curve[:20] == first
+    lr = _lr_curve(tmp_path)
+    assert lr[20] == pytest.approx(cfg.lr * lr_factor(19, replace(cfg, steps=20)))  # the last step before
+    assert lr[21] == pytest.approx(new_lr)
+    assert final["steps"] == 40
+
+
+def test_lowering_steps_resumes_from_a_checkpoint_at_or_below_it_or_stops(tmp_path, small_cache, trained_target,
+                                                                          caplog):
+    state = tmp_path / "state"
+    train(tmp_path, small_cache, trained_target, steps=40)  # checkpoints 30, 40 kept
+    at30 = load_file(state / "ckpt-00000030" / "model.safetensors")
+    # exactly at a checkpoint: that checkpoint is the final model, nothing is trained or removed
+    _, final = train(tmp_path, small_cache, trained_target, steps=30)
+    assert final["steps"] == 30
+    draft = load_file(tmp_path / "draft" / "model.safetensors")
+    assert draft.keys() == at30.keys() and all(torch.equal(draft[k], at30[k]) for k in at30)
+    assert [p.name for p in list_checkpoints(state)] == ["ckpt-00000030", "ckpt-00000040"]
+    assert len(losses(tmp_path)) == 30
+    # between two: continue from the one below; the longer run's checkpoint goes once this run has saved
+    caplog.set_level(logging.INFO)
+    _, final = train(tmp_path, small_cache, trained_target, steps=35)
+    assert "beyond train.steps=35" in caplog.text and "ckpt-00000030" in caplog.text
+    assert final["steps"] == 35 and len(losses(tmp_path)) == 35
+    assert [p.name for p in list_checkpoints(state)] == ["ckpt-00000030", "ckpt-00000035"]
+    # below every checkpoint: stop, keep them all
+    with pytest.raises(CheckpointError, match=r"steps \[30, 35\].*beyond train.steps=20"):
+        train(tmp_path, small_cache, trained_target, steps=20)
+    assert [p.name for p in list_checkpoints(state)] == ["ckpt-00000030", "ckpt-00000035"]
+
+
+def _fingerprint(path):
+    return json.loads((path / "meta.json").read_text())["fingerprint"]
+
+
+def test_params_change_sets_old_checkpoints_aside_until_the_new_run_saves(tmp_path, small_cache, trained_target,
+                                                                          caplog):
+    state = tmp_path / "state"
+    train(tmp_path, small_cache, trained_target, steps=10)
+    old = _fingerprint(list_checkpoints(state)[-1])
+    # a run under other params starts (and, say, dies before its first checkpoint)
+    other = TrainConfig(**{**FAST, "steps": 10, "lr": 1e-3})
+    trainer = build_trainer(other, [-1, 0, 2], str(small_cache), trained_target, tmp_path / "train", state)
+    assert trainer.restore() is False
+    assert list_checkpoints(state) == []
+    aside = state / f"stale-{old}"
+    assert [p.name for p in list_checkpoints(aside)] == ["ckpt-00000010"]
+    # switching back finds them again
+    caplog.set_level(logging.INFO)
+    train(tmp_path, small_cache, trained_target, steps=10)
+    assert "resumed from" in caplog.text
+    assert [p.name for p in list_checkpoints(state)] == ["ckpt-00000010"] and not aside.exists()
+    # the other params run to a checkpoint: only then are the old ones gone
+    train(tmp_path, small_cache, trained_target, steps=10, lr=1e-3)
+    assert [p.name for p in list_checkpoints(state)] == ["ckpt-00000010"]
+    assert _fingerprint(list_checkpoints(state)[-1]) != old
+    assert not any(p.name.startswith("stale-") for p in state.iterdir())
+
+
+# ---- too little data -----------------------------------------------------------------------------
+
+@pytest.mark.timeout(300)
+def test_an_empty_cache_stops_with_an_error_naming_it(tmp_path, trained_target):
+    from deepspec.cache.build import build_cache
+    from deepspec.config import CacheConfig
+    from deepspec.train.trainer import TrainError
+
+    (tmp_path / "regen.jsonl").write_text("")
+    build_cache(CacheConfig(url=str(tmp_path / "cache.zarr"), part_tokens=400), [-1, 0, 2], tmp_path / "regen.jsonl",
+                trained_target)
+    with pytest.raises(TrainError, match=r"cache\.zarr: the cache holds 0 samples"):
+        train(tmp_path, tmp_path / "cache.zarr", trained_target)
+    assert list_checkpoints(tmp_path / "state") == []
+
+
+def _torchrun(work, env, timeout: float, nproc: int = 2, script=None, args=()) -> subprocess.CompletedProcess:
+    """torchrun, stopped with its workers if it overruns (a hang must not outlive the test)."""
+    from deepspec.data.servers import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port()), str(script or REPO / "stages" / "train.py"), *args]
+    proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        workers = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        proc.terminate()  # torchrun stops its workers (they run in sessions of their own) on SIGTERM
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            for pid in [proc.pid, *workers]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        raise AssertionError(f"torchrun did not finish in {timeout} s:\n{out[-4000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+@pytest.mark.slow
+def test_torchrun_with_fewer_batches_than_ranks_stops_with_an_error(tmp_path, small_cache, trained_target):
+    from deepspec.loader.dataset import TargetCacheDataset
+
+    n = len(TargetCacheDataset(str(small_cache)))
+    work = _stage_dir(tmp_path, small_cache, trained_target, batch_size=n)  # one batch, two ranks
+    proc = _torchrun(work, project_env(REPO, DEEPSPEC_LOG="WARNING"), timeout=180)
+    assert proc.returncode != 0
+    assert (f"error: data/cache.zarr: {n} samples in the cache make 1 batch of batch_size {n}, fewer than the "
+            "world size 2") in proc.stdout, proc.stdout[-4000:]
+    assert "trainer.py" not in proc.stdout, proc.stdout[-4000:]  # a message, not a worker's traceback
+    assert not (work / "data" / "train_state").exists()
+
+
+# ---- what a checkpoint restores, and on which ranks ------------------------------------------------
+
+def test_rng_states_survive_a_checkpoint_round_trip():
+    from deepspec.train.trainer import _rng_state, _set_rng_state
+
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    random.gauss(0, 1), np.random.standard_normal()  # leave a cached Gaussian in both
+    draws = lambda: (random.random(), random.gauss(0, 1), np.random.random(3).tolist(),  # noqa: E731
+                     np.random.standard_normal(), torch.rand(3).tolist())
+    state = json.loads(json.dumps(_rng_state()))  # through meta.json
+    expected = draws()
+    random.random(), np.random.random(5), np.random.standard_normal(), torch.rand(7)
+    _set_rng_state(state)
+    assert draws() == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_rng_state_survives_a_checkpoint_round_trip():
+    from deepspec.train.trainer import _rng_state, _set_rng_state
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.manual_seed(4)
+    state = json.loads(json.dumps(_rng_state(device)))
+    expected = torch.rand(5, device=device).tolist()
+    torch.rand(9, device=device)
+    _set_rng_state(state, device)
+    assert torch.rand(5, device=device).tolist() == expected
+
+
+def test_anchor_streams_are_distinct_for_every_step_micro_batch_and_rank():
+    from deepspec.train.loss import anchor_generator, anchor_key
+
+    for steps, micro, ranks in ((64, 1024, 4), (1024, 16, 16), (16, 16, 1024)):
+        keys = {anchor_key(7, s, m, r) for s in range(steps) for m in range(micro) for r in range(ranks)}
+        assert len(keys) == steps * micro * ranks
+    top = (2**38 - 1, 1023, 2**16 - 1)
+    assert anchor_key(7, *top) not in {anchor_key(7, 0, 0, 0), anchor_key(7, 2**38 - 2, 1023, 2**16 - 1)}
+    for bad in ((2**38, 0, 0), (0, 1024, 0), (0, 0, 2**16), (-1, 0, 0)):
+        with pytest.raises(ValueError, match="anchor"):
+            anchor_key(7, *bad)
+    # the streams differ too (the CPU torch generator would keep only 32 bits of a 64-bit seed)
+    tuples = [(0, 10, 0), (1, 0, 1), (0, 0, 101), (0, 1, 0), (2**32, 0, 0), (0, 0, 0), (2**32 + 1, 3, 5), (1, 3, 5)]
+    firsts = {tuple(anchor_generator(7, *t).random(4).tolist()) for t in tuples}
+    assert len(firsts) == len(tuples)
+    assert anchor_generator(7, 1, 3, 5).random(4).tolist() == anchor_generator(7, 1, 3, 5).random(4).tolist()
+    assert anchor_generator(8, 1, 3, 5).random(4).tolist() != anchor_generator(7, 1, 3, 5).random(4).tolist()
+
+
+def test_grad_accum_past_the_anchor_bound_is_refused(tmp_path, small_cache, trained_target):
+    from deepspec.train.trainer import TrainError
+
+    with pytest.raises(TrainError, match="grad_accum"):
+        train(tmp_path, small_cache, trained_target, grad_accum=1025)
+
+
+def _rewrite(ckpt, name, tensors):
+    """Replace a checkpoint's tensor file and its recorded hash (a well-formed checkpoint of other content)."""
+    from safetensors.torch import save_file
+
+    from deepspec.io import sha256_file
+
+    save_file(tensors, str(ckpt / name))
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["files"][name] = sha256_file(ckpt / name)
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+
+
+def test_model_and_optimizer_state_load_strictly(tmp_path, small_cache, trained_target):
+    state = tmp_path / "state"
+    train(tmp_path, small_cache, trained_target, steps=10)
+    ckpt = list_checkpoints(state)[-1]
+    model = load_file(ckpt / "model.safetensors")
+    _rewrite(ckpt, "model.safetensors", dict(model, extra=torch.zeros(2)))
+    with pytest.raises(CheckpointError, match=r"model state.*unexpected \['extra'\]"):
+        train(tmp_path, small_cache, trained_target, steps=10)
+    _rewrite(ckpt, "model.safetensors", {k: v for k, v in model.items() if k != "fc.weight"})
+    with pytest.raises(CheckpointError, match=r"model state.*missing \['fc.weight'\]"):
+        train(tmp_path, small_cache, trained_target, steps=10)
+    _rewrite(ckpt, "model.safetensors", model)
+    opt = load_file(ckpt / "optimizer.safetensors")
+    _rewrite(ckpt, "optimizer.safetensors", {k: v for k, v in opt.items() if not k.startswith("fc.weight.")})
+    with pytest.raises(CheckpointError, match="no optimizer state for fc.weight"):
+        train(tmp_path, small_cache, trained_target, steps=10)
+    assert [p.name for p in list_checkpoints(state)] == ["ckpt-00000010"]  # refused, not removed
+
+
+def test_a_resume_under_another_world_size_is_refused_with_what_to_do(tmp_path, small_cache, trained_target):
+    train(tmp_path, small_cache, trained_target, steps=10)
+    meta_path = list_checkpoints(tmp_path / "state")[-1] / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps(dict(meta, world_size=2)))  # as if saved by a 2-process run
+    with pytest.raises(CheckpointError, match="saved by a run with world size 2, this run has 1.*rerun with 2 "
+                                              "processes, or move .* aside"):
+        train(tmp_path, small_cache, trained_target, steps=10)
+
+
+# a rank of a multi-node run sees its own node's disk: this driver gives each rank its own directory
+NODE_DRIVER = """
+import os, runpy, sys
+os.chdir(sys.argv[1 + int(os.environ["RANK"])])
+sys.argv = [sys.argv[-1]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_resume_from_the_same_checkpoint_or_all_stop(tmp_path, small_cache, trained_target):
+    node0 = _stage_dir(tmp_path / "node0", small_cache, trained_target, steps=40, keep_checkpoints=3)
+    env = project_env(REPO, DEEPSPEC_LOG="INFO")
+    first = _torchrun(node0, env, timeout=240)
+    assert first.returncode == 0, first.stdout[-4000:]
+    full = load_file(node0 / "data" / "draft" / "model.safetensors")
+    state0 = node0 / "data" / "train_state"
+    meta = json.loads((state0 / "ckpt-00000040" / "meta.json").read_text())
+    assert set(meta["ranks"]) == {"0", "1"} and all("numpy" in meta["ranks"][r]["rng"] for r in "01")
+    shutil.rmtree(state0 / "ckpt-00000040")  # the run died after saving step 30
+    shutil.rmtree(node0 / "data" / "draft")
+    # rank 1 runs on a node whose copy of the state has a corrupt step 30
+    node1 = tmp_path / "node1" / "work"
+    shutil.copytree(node0, node1)
+    bad = node1 / "data" / "train_state" / "ckpt-00000030" / "model.safetensors"
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    driver = tmp_path / "driver.py"
+    driver.write_text(NODE_DRIVER)
+    args = [str(node0), str(node1), str(REPO / "stages" / "train.py")]
+    proc = _torchrun(tmp_path, env, timeout=240, script=driver, args=args)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert proc.stdout.count("resumed from") == 2 and proc.stdout.count("ckpt-00000020 (step 20") == 2, \
+        proc.stdout[-4000:]
+    resumed = load_file(node0 / "data" / "draft" / "model.safetensors")
+    assert all(torch.equal(resumed[k], full[k]) for k in full)
+    # rank 1's node has no state at all (no shared filesystem): every rank stops, nothing is removed
+    shutil.rmtree(node1 / "data" / "train_state")
+    before = [p.name for p in list_checkpoints(state0)]
+    proc = _torchrun(tmp_path, env, timeout=240, script=driver, args=args)
+    assert proc.returncode != 0
+    assert proc.stdout.count("error: no checkpoint in data/train_state can be resumed by every rank") == 2, \
+        proc.stdout[-4000:]
+    assert "rank 1: data/train_state/ckpt-00000040: not found" in proc.stdout
+    assert "trainer.py" not in proc.stdout, proc.stdout[-4000:]  # a message, not a worker's traceback
+    assert [p.name for p in list_checkpoints(state0)] == before
