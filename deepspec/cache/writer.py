@@ -1,13 +1,20 @@
 """Writing cache parts: whole shards per call, committed atomically, on a background thread.
 
-A part is written array by array into `parts/<name>/`; only then is the part group's `committed`
-attribute set. Anything under `parts/` without that mark is debris from a crash and is pruned.
+A part is written array by array into `parts/<name>/`; on a local filesystem every file and
+directory of it is then fsynced, and only then is the part group's `committed` attribute set (a
+durable replace). On opening, rank 0 deletes everything a killed writer leaves (uncommitted parts,
+zarr's `*.partial` temp files, anything else that is not part of the layout) and checks every
+committed part of a local store cheaply (verify.part_damage): a damaged one is deleted with every
+part after it, so the rerun repeats the same packing.
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import math
 import queue
+import re
 import threading
 from dataclasses import dataclass, field
 
@@ -15,13 +22,15 @@ import numpy as np
 import torch
 import zarr
 
-from deepspec.cache.format import (BLOSC, FORMAT, FORMAT_VERSION, CacheFormatError, encode_hidden,
-                                   hidden_name, inner_codecs, scale_name)
-from deepspec.cache.store import open_root
+from deepspec.cache.format import (BLOSC, CONTENT_KEYS, FORMAT, FORMAT_VERSION, CacheFormatError, encode_hidden,
+                                   hidden_name, inner_codecs, part_arrays, scale_name)
+from deepspec.cache.store import fsync_path, fsync_tree, is_remote, local_path, open_root
 
 log = logging.getLogger(__name__)
 
 TOKEN_CHUNK_1D = 1024  # input_ids / loss_mask / scales: a sample reads one or two chunks
+PART_NAME = re.compile(r"p\d{6}")
+ROOT_ENTRIES = {"zarr.json", "parts"}
 
 
 @dataclass
@@ -75,7 +84,7 @@ def encode_shard(data: np.ndarray, chunk_rows: int, codec: str) -> bytes:
 
 def manifest_mismatch(old: dict, new: dict) -> str | None:
     """First differing content field, spelled as a key path, or None when the store is compatible."""
-    for key in ("format_version", "target", "layers", "dtype", "codec", "max_length", "chunk_tokens"):
+    for key in CONTENT_KEYS:
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             for sub in sorted(set(a) | set(b)):
@@ -92,6 +101,8 @@ class CacheWriter:
         self.url = url
         self.manifest = dict(manifest, format=FORMAT, format_version=FORMAT_VERSION)
         self.storage_options = storage_options
+        self.remote = is_remote(url)
+        self.keep_at_root: set[str] = set()
         self.root = open_root(url, "a", storage_options)
         self.rank = rank
         self._committed: dict[str, dict] | None = None
@@ -115,38 +126,103 @@ class CacheWriter:
                 self._delete("parts")
         elif list(self.root.keys()) and not old:
             raise CacheFormatError(f"{self.url}: exists and is not a deepspec cache; refusing to write into it")
-        for name in self.uncommitted_parts():
-            log.info("pruning uncommitted part %s (left by an interrupted run)", name)
-            self._delete(f"parts/{name}")
-        self.root.attrs.update(self._manifest_attrs())
+        self._prune_debris()
+        if not self.remote:
+            self._drop_damaged()
+        self.write_manifest()
+
+    def _prune_debris(self) -> None:
+        """Delete what an interrupted writer leaves: zarr's `*.partial` temp files, part groups that
+        were never marked committed (or whose mark is unreadable), and anything else that is not
+        part of the layout, so that DVC never hashes or pushes it."""
+        for name in self._list(""):
+            if name not in ROOT_ENTRIES and name not in self.keep_at_root:
+                log.info("%s: deleting %s (not part of a cache; left by an interrupted writer)", self.url, name)
+                self._delete(name)
+        for name, mark in self._part_marks(committed_only=False).items():
+            if mark is None or not mark.get("committed"):
+                log.info("%s: pruning uncommitted part %s (left by an interrupted run)", self.url, name)
+                self._delete(f"parts/{name}")
+
+    def _drop_damaged(self) -> None:
+        """A committed part whose files did not survive (a power loss before the writer fsynced
+        them, or a truncated copy) is deleted together with every part after it: the rerun then
+        packs the same samples into the same parts as an uninterrupted build."""
+        from deepspec.cache.verify import part_damage
+
+        names = list(self.committed_parts())
+        arrays = part_arrays(self.manifest["layers"], self.manifest["dtype"])
+        root = str(local_path(self.url))
+        for k, name in enumerate(names):
+            why = part_damage(root, name, arrays)
+            if why is None:
+                continue
+            later = names[k + 1:]
+            log.warning("%s: committed part %s is damaged (%s): deleting it and the %d parts after it, "
+                        "which this run writes again", self.url, f"parts/{name}", why, len(later))
+            for n in names[k:]:
+                self._delete(f"parts/{n}")
+            break
+
+    def _list(self, prefix: str) -> list[str]:
+        from zarr.core.sync import sync
+
+        store = self.root.store
+        if self.remote:  # s3fs caches listings per filesystem instance: another process may have written
+            store.fs.invalidate_cache(f"{store.path}/{prefix}".rstrip("/"))
+
+        async def names():
+            return [n async for n in store.list_dir(prefix)]
+
+        return sorted(n.rstrip("/") for n in sync(names()) if n.rstrip("/"))
+
+    def _part_marks(self, committed_only: bool = True) -> dict[str, dict | None]:
+        """Every entry under parts/ -> its group attributes (None when it is not a readable part
+        group). Read directly, not through zarr-python, which raises on an empty or torn zarr.json."""
+        from zarr.core.buffer import default_buffer_prototype
+        from zarr.core.sync import sync
+
+        store = self.root.store
+        names = [n for n in self._list("parts") if n != "zarr.json"]
+
+        async def read(name):
+            if not PART_NAME.fullmatch(name):
+                return None
+            try:
+                buf = await store.get(f"parts/{name}/zarr.json", prototype=default_buffer_prototype())
+                meta = json.loads(buf.to_bytes()) if buf is not None else None
+            except (OSError, ValueError):
+                return None
+            if not isinstance(meta, dict) or meta.get("node_type") != "group":
+                return None
+            return dict(meta.get("attributes") or {})
+
+        async def read_all():
+            return await asyncio.gather(*(read(n) for n in names))
+
+        marks = dict(zip(names, sync(read_all())))
+        if committed_only:
+            return {n: a for n, a in marks.items() if a and a.get("committed")}
+        return marks
 
     def _delete(self, path: str) -> None:
         from zarr.core.sync import sync
 
-        sync(self.root.store.delete_dir(path))
-
-    def _parts_group(self) -> zarr.Group | None:
-        try:
-            return self.root["parts"]
-        except KeyError:
-            return None
+        if self.remote:
+            sync(self.root.store.delete_dir(path))
+            sync(self.root.store.delete(path))  # a plain object of that name
+            return
+        p = local_path(self.url) / path
+        if p.is_dir():
+            sync(self.root.store.delete_dir(path))
+        else:
+            p.unlink(missing_ok=True)
 
     def committed_parts(self) -> dict[str, dict]:
-        group = self._parts_group()
-        if group is None:
-            return {}
-        out = {}
-        for name, member in group.members():
-            attrs = dict(member.attrs)
-            if attrs.get("committed"):
-                out[name] = attrs
-        return dict(sorted(out.items()))
+        return dict(sorted(self._part_marks().items()))
 
     def uncommitted_parts(self) -> list[str]:
-        group = self._parts_group()
-        if group is None:
-            return []
-        return sorted(name for name, member in group.members() if not member.attrs.get("committed"))
+        return sorted(n for n, a in self._part_marks(committed_only=False).items() if not (a and a.get("committed")))
 
     def committed_sample_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -224,6 +300,11 @@ class CacheWriter:
             if scale is not None:
                 self._array(group, scale_name(layer), scale, TOKEN_CHUNK_1D)
         attrs = {"committed": True, "samples": int(len(part.lengths)), "tokens": part.tokens, "rank": self.rank}
+        if not self.remote:  # an S3 PUT is durable when it returns; a local file only once fsynced
+            path = local_path(self.url)
+            fsync_tree(path / "parts" / part.name)
+            for p in (path / "parts" / "zarr.json", path / "parts", path):
+                fsync_path(p)
         group.attrs.put(attrs)
         log.debug("committed part %s: %d samples, %d tokens", part.name, len(part.lengths), part.tokens)
         if self._committed is not None:
@@ -249,5 +330,6 @@ class CacheWriter:
         if rescan:
             self._committed = None
         attrs = self._manifest_attrs()
-        self.root.attrs.put(attrs)
+        if json.loads(json.dumps(attrs)) != dict(self.root.attrs):  # a no-op rerun writes nothing
+            self.root.attrs.put(attrs)
         return attrs
