@@ -24,7 +24,8 @@ import zarr
 
 from deepspec.cache.format import (BLOSC, CONTENT_KEYS, FORMAT, FORMAT_VERSION, CacheFormatError, encode_hidden,
                                    hidden_name, inner_codecs, part_arrays, scale_name)
-from deepspec.cache.store import fsync_path, fsync_tree, is_remote, local_path, open_root
+from deepspec.cache.lease import DEFAULT_TTL_S, LEASE_NAME, acquire, join
+from deepspec.cache.store import fsync_path, fsync_tree, is_remote, local_path, open_store
 
 log = logging.getLogger(__name__)
 
@@ -96,18 +97,43 @@ def manifest_mismatch(old: dict, new: dict) -> str | None:
 
 
 class CacheWriter:
+    """Writes parts into one store. Rank 0 (the default) takes the store's lease (deepspec.cache.lease)
+    before touching anything; the other ranks of the same job pass its `run_id` and join that lease.
+    Call `release()` (or use the writer as a context manager) when done. A store whose content
+    fields differ is pruned when `prune_stale` (default: local stores only), else refused."""
+
     def __init__(self, url: str, manifest: dict, storage_options: dict | None = None,
-                 queue_size: int = 2, rank: int = 0, prune_stale: bool = True):
+                 queue_size: int = 2, rank: int = 0, prune_stale: bool | None = None, run_id: str | None = None,
+                 lease_ttl: float = DEFAULT_TTL_S):
         self.url = url
         self.manifest = dict(manifest, format=FORMAT, format_version=FORMAT_VERSION)
         self.storage_options = storage_options
         self.remote = is_remote(url)
-        self.keep_at_root: set[str] = set()
-        self.root = open_root(url, "a", storage_options)
+        self.keep_at_root = {LEASE_NAME}
+        if rank == 0:
+            self.lease = acquire(url, storage_options, run_id, ttl=lease_ttl)
+        elif run_id is None:
+            raise ValueError("a writer of rank > 0 joins rank 0's lease: pass rank 0's run_id")
+        else:
+            self.lease = join(url, storage_options, run_id)
+        try:
+            store = open_store(url, "a", storage_options)
+            if rank == 0:
+                self._refuse_foreign(store)
+            self.root = zarr.open_group(store=store, mode="a", zarr_format=3)
+        except BaseException:
+            self.release()
+            raise
         self.rank = rank
         self._committed: dict[str, dict] | None = None
         if rank == 0:
-            self._reconcile(prune_stale)
+            try:
+                # a remote store is named by its content (store.store_url): one that differs is someone
+                # else's, never pruned; a local store's old version stays restorable from DVC's cache
+                self._reconcile(not self.remote if prune_stale is None else prune_stale)
+            except BaseException:
+                self.release()
+                raise
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="cache-writer", daemon=True)
@@ -124,12 +150,32 @@ class CacheWriter:
                                            "overwrite it — delete it or choose another cache.url")
                 log.warning("%s: existing cache is stale (%s): pruning all parts", self.url, why)
                 self._delete("parts")
-        elif list(self.root.keys()) and not old:
-            raise CacheFormatError(f"{self.url}: exists and is not a deepspec cache; refusing to write into it")
         self._prune_debris()
         if not self.remote:
             self._drop_damaged()
         self.write_manifest()
+
+    def _refuse_foreign(self, store) -> None:
+        """Before zarr-python creates anything: a location that holds anything but a deepspec cache
+        (or what a writer of one leaves) is refused, so that pruning debris never deletes a user's files."""
+        from zarr.core.buffer import default_buffer_prototype
+        from zarr.core.sync import sync
+
+        names = self._list("", store)
+        others = [n for n in names if n not in ROOT_ENTRIES and n not in self.keep_at_root
+                  and not n.endswith(".partial")]
+        if "zarr.json" in names:
+            buf = sync(store.get("zarr.json", prototype=default_buffer_prototype()))
+            try:
+                attrs = (json.loads(buf.to_bytes()) if buf is not None else {}).get("attributes") or {}
+            except (ValueError, AttributeError):
+                attrs = {}
+            if attrs.get("format") == FORMAT or not (others or "parts" in names):
+                return
+        elif not others and "parts" not in names:
+            return
+        raise CacheFormatError(f"{self.url}: exists and is not a deepspec cache ({', '.join(names[:5])}); "
+                               "refusing to write into it")
 
     def _prune_debris(self) -> None:
         """Delete what an interrupted writer leaves: zarr's `*.partial` temp files, part groups that
@@ -164,10 +210,10 @@ class CacheWriter:
                 self._delete(f"parts/{n}")
             break
 
-    def _list(self, prefix: str) -> list[str]:
+    def _list(self, prefix: str, store=None) -> list[str]:
         from zarr.core.sync import sync
 
-        store = self.root.store
+        store = store or self.root.store
         if self.remote:  # s3fs caches listings per filesystem instance: another process may have written
             store.fs.invalidate_cache(f"{store.path}/{prefix}".rstrip("/"))
 
@@ -221,9 +267,6 @@ class CacheWriter:
     def committed_parts(self) -> dict[str, dict]:
         return dict(sorted(self._part_marks().items()))
 
-    def uncommitted_parts(self) -> list[str]:
-        return sorted(n for n, a in self._part_marks(committed_only=False).items() if not (a and a.get("committed")))
-
     def committed_sample_ids(self) -> set[int]:
         ids: set[int] = set()
         for name in self.committed_parts():
@@ -251,6 +294,22 @@ class CacheWriter:
         self._queue.put(None)
         self._thread.join()
 
+    def release(self) -> None:
+        """Give up the store's lease (rank 0; a no-op for joined ranks). Call after close()."""
+        self.lease.release()
+
+    def __enter__(self) -> "CacheWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if exc[0] is None:
+                self.close()
+            else:
+                self.abort()
+        finally:
+            self.release()
+
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise CacheFormatError(f"{self.url}: writing a part failed: {self._error}") from self._error
@@ -277,17 +336,20 @@ class CacheWriter:
         shards = (math.ceil(max(rows, 1) / chunks[0]) * chunks[0],) + data.shape[1:]
         codec = self.manifest["codec"] if data.ndim == 2 else "none"
         codecs = inner_codecs(codec, data.dtype.itemsize)
+        # never overwrite=True: that deletes what is there, which may be another writer's committed part
         group.create_array(name, shape=data.shape, dtype=data.dtype, chunks=chunks, shards=shards,
                            serializer=codecs[0], compressors=codecs[1:], fill_value=0,
-                           config={"write_empty_chunks": True}, overwrite=True)
+                           config={"write_empty_chunks": True})
         key = f"{group.path}/{name}/c/" + "/".join("0" for _ in data.shape)
         blob = encode_shard(data, chunks[0], codec)
         sync(self.root.store.set(key, default_buffer_prototype().buffer.from_bytes(blob)))
 
     def write_part(self, part: PartData) -> None:
         dtype, chunk = self.manifest["dtype"], self.manifest["chunk_tokens"]
-        group = self.root.require_group(f"parts/{part.name}")
-        group.attrs.put({"committed": False})
+        self.lease.check()
+        # a part is only ever created (on S3 by conditional PUTs, store.FencedS3Store): a name that
+        # exists is an error, never an overwrite
+        group = self.root.create_group(f"parts/{part.name}", attributes={"committed": False})
         offsets = np.zeros(len(part.lengths) + 1, dtype=np.int64)
         np.cumsum(part.lengths, out=offsets[1:])
         self._array(group, "offsets", offsets, max(len(offsets), 1))
@@ -305,6 +367,7 @@ class CacheWriter:
             fsync_tree(path / "parts" / part.name)
             for p in (path / "parts" / "zarr.json", path / "parts", path):
                 fsync_path(p)
+        self.lease.check()  # never commit over the parts of a job that took the store over
         group.attrs.put(attrs)
         log.debug("committed part %s: %d samples, %d tokens", part.name, len(part.lengths), part.tokens)
         if self._committed is not None:
@@ -331,5 +394,6 @@ class CacheWriter:
             self._committed = None
         attrs = self._manifest_attrs()
         if json.loads(json.dumps(attrs)) != dict(self.root.attrs):  # a no-op rerun writes nothing
+            self.lease.check()
             self.root.attrs.put(attrs)
         return attrs

@@ -140,3 +140,22 @@ def test_shards_and_directories_are_fsynced_before_the_commit_mark(tmp_path, tra
         assert str(part) in synced(commit, manifest)
         manifest_tmp = events[manifest][2]
         assert manifest_tmp in synced(commit, manifest) and str(root) in synced(manifest, len(events))
+
+
+def test_a_directory_that_is_not_a_cache_is_refused_and_left_alone(tmp_path):
+    """Pruning debris deletes whatever is not part of a cache, so a writer pointed at anything else
+    must refuse before it touches a file."""
+    from deepspec.cache.format import CacheFormatError
+    from tests.cache.lease_holder import MANIFEST
+
+    for name, files in (("plain", {"notes.txt": "x", "sub/a.bin": "1"}),
+                        ("other-zarr", {"zarr.json": '{"zarr_format": 3, "node_type": "group", "attributes": {}}',
+                                        "parts/zarr.json": "{}", "x/zarr.json": "{}"})):
+        d = tmp_path / name
+        for rel, text in files.items():
+            (d / rel).parent.mkdir(parents=True, exist_ok=True)
+            (d / rel).write_text(text)
+        before = store_files(str(d))
+        with pytest.raises(CacheFormatError, match="is not a deepspec cache"):
+            CacheWriter(str(d), MANIFEST)
+        assert store_files(str(d)) == before  # nothing created, nothing deleted (the lock file included)
