@@ -247,6 +247,8 @@ def test_sigkill_mid_stage_then_rerun_equals_a_clean_run(tmp_path, trained_targe
     assert 0 < len(list(parts.glob("*"))) < total
     subprocess.run(cmd, cwd=crash, env=_stage_env(), check=True, capture_output=True)
     assert array_hashes(str(crash / "data/cache.zarr")) == array_hashes(str(clean / "data/cache.zarr"))
+    files = lambda w: sorted(str(p.relative_to(w)) for p in (w / "data/cache.zarr").rglob("*"))  # noqa: E731
+    assert files(crash) == files(clean)  # no debris (temp files, lock file) left for DVC to hash
     assert json.loads((crash / "data/cache/metrics.json").read_text())["samples"] == len(rows)
 
 

@@ -103,3 +103,14 @@ def test_a_store_at_the_lake_url_itself_is_refused_with_the_move_to_make(tmp_pat
     cfg = CacheConfig(url=old, storage_options=moto.storage_options)
     with pytest.raises(CacheFormatError, match=rf"Move the store to s3://{bucket}/runs/{store_key(m)}"):
         build_cache(cfg, LAYERS, regen, target)
+
+
+def test_train_reads_the_store_the_cache_stage_recorded(tmp_path):
+    from deepspec.cache.store import built_store_url
+
+    manifest = tmp_path / "manifest.json"
+    assert built_store_url("data/cache.zarr", manifest) == "data/cache.zarr"  # a local path is the store
+    with pytest.raises(CacheFormatError, match=r"manifest.json: missing; it names the store inside the lake"):
+        built_store_url("s3://bucket/lake", manifest)
+    manifest.write_text(json.dumps({"url": "s3://bucket/lake/t-L9.25-bf16-0123456789ab", "layers": [9, 25]}))
+    assert built_store_url("s3://bucket/lake", manifest) == "s3://bucket/lake/t-L9.25-bf16-0123456789ab"
