@@ -39,14 +39,25 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
+_FSYNC_POOL = None
+
+
 def fsync_tree(path: Path) -> None:
-    """fsync every file and directory under `path`, deepest first, then `path` itself. Done once
-    per part after all its files are written: the kernel writes them back together, so this costs
-    about one journal commit instead of one per file."""
-    for dirpath, _, files in os.walk(path, topdown=False):
-        for name in files:
-            fsync_path(os.path.join(dirpath, name))
-        fsync_path(dirpath)
+    """fsync every file under `path`, then every directory, deepest first, then `path` itself.
+    Done once per part after all its files are written, and concurrently: fsyncs in flight together
+    share the filesystem's journal commits instead of paying one each."""
+    global _FSYNC_POOL
+    from concurrent.futures import ThreadPoolExecutor
+
+    if _FSYNC_POOL is None:
+        _FSYNC_POOL = ThreadPoolExecutor(8, thread_name_prefix="fsync")
+    files, dirs = [], []
+    for dirpath, _, names in os.walk(path, topdown=False):
+        files += [os.path.join(dirpath, n) for n in names]
+        dirs.append(dirpath)
+    list(_FSYNC_POOL.map(fsync_path, files))
+    for d in dirs:
+        fsync_path(d)
 
 
 def _durable_replace(path: Path, data) -> None:
