@@ -59,7 +59,9 @@ def write_store(root: Path, part: PartData, dtype: str, codec: str) -> float:
     t0 = time.perf_counter()
     w.write_part(part)
     os.sync()
-    return time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0
+    w.release()
+    return elapsed
 
 
 def write_memmap(root: Path, part: PartData) -> float:

@@ -81,6 +81,7 @@ def build(root: Path, layers, flat: dict, n_samples: int, sample_tokens: int, dt
                               lengths[sl], flat["input_ids"][idx[a:b]], flat["loss_mask"][idx[a:b]],
                               {k: v[a:b] for k, v in hidden.items()}))
     w.write_manifest()
+    w.release()
     return url, lengths
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
+from deepspec.cache.store import built_store_url
 from deepspec.config import load_params
 from deepspec.loader.collate import collate
 from deepspec.loader.dataset import TargetCacheDataset
@@ -47,7 +48,8 @@ def main() -> None:
     args = ap.parse_args()
     params = load_params()
     cfg, layers = params.train, params.train_layers
-    ds = TargetCacheDataset(params.cache.url, layers=layers)
+    ds = TargetCacheDataset(built_store_url(params.cache.url), layers=layers,
+                            storage_options=params.cache.storage_options)
     sampler = ResumableBatchSampler(ds.lengths(), batch_size=cfg.batch_size, seed=0)
     plan = sampler.batches(0)[: args.steps]
     base = new_draft(cfg, layers, Path("data/target"))

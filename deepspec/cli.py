@@ -1,4 +1,4 @@
-"""`deepspec ...`: the cache tools usable outside DVC (info, verify, estimate)."""
+"""`deepspec ...`: the cache tools usable outside DVC (info, verify, ls, estimate)."""
 from __future__ import annotations
 
 import argparse
@@ -22,9 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     cache = sub.add_parser("cache", help="inspect, check and size target caches")
     cmds = cache.add_subparsers(dest="cmd", required=True)
     for name, text in (("info", "counts, layers, dtype, bytes/token, target identity"),
-                       ("verify", "read every chunk; check checksums, offsets and counts")):
+                       ("verify", "read every chunk; check checksums, offsets and counts"),
+                       ("ls", "the stores in a lake (a remote cache.url): layers, dtype, codec, counts")):
         p = cmds.add_parser(name, help=text)
-        p.add_argument("url", help="store path or s3://bucket/path")
+        p.add_argument("url", help="s3://bucket/lake" if name == "ls" else "store path or s3://bucket/path")
         p.add_argument("--storage-options", help="JSON dict passed to fsspec (e.g. endpoint_url)")
     est = cmds.add_parser("estimate", help="bytes/token and total size for a target shape")
     est.add_argument("--hidden-size", type=int, required=True)
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
             out = verify.info(args.url, _storage_options(args.storage_options))
         elif args.cmd == "verify":
             out = verify.verify(args.url, _storage_options(args.storage_options))
+        elif args.cmd == "ls":
+            from deepspec.cache.store import list_stores
+
+            out = list_stores(args.url, _storage_options(args.storage_options))
         else:
             out = estimate.estimate(args.hidden_size, args.layers, int(args.tokens), args.dtype)
     except CacheFormatError as e:

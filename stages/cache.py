@@ -1,7 +1,9 @@
 """DVC stage `cache`: data/regen/train.jsonl + data/target -> the Zarr cache (see deepspec.cache.build).
 
 Runs as one process, or under `torchrun --nproc-per-node N stages/cache.py` (each rank writes its
-own parts of a disjoint sample range; rank 0 writes the manifest and the metrics).
+own parts of a disjoint sample range; rank 0 holds the store's lease, writes the manifest and the
+metrics). The store written is `cache.url` itself for a local path, `<cache.url>/<store key>` for a
+remote lake (docs/cache-format.md §9); data/cache/manifest.json records its full URL for `train`.
 """
 import json
 import os
@@ -21,18 +23,23 @@ def main(params):
     configure_threads(cfg.threads)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device("cpu")
-    barrier = None
+    barrier = share = None
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if world > 1:
         import torch.distributed as dist
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend)
         barrier = dist.barrier
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+        def share(value):  # rank 0's value on every rank (the job's lease run id)
+            box = [value]
+            dist.broadcast_object_list(box, src=0, device=device if backend == "nccl" else None)
+            return box[0]
     try:
         report = build_cache(cfg, params.layers, Path("data/regen/train.jsonl"), Path("data/target"),
-                             rank, world, barrier, device)
+                             rank, world, barrier, device, share=share)
     except CacheFormatError as e:
         raise StageError(str(e)) from None
     finally:
@@ -43,7 +50,8 @@ def main(params):
     if rank != 0:
         return
     manifest = report.pop("manifest")
-    size, files = disk_usage(cfg.url, cfg.storage_options)
+    url = report["url"]
+    size, files = disk_usage(url, cfg.storage_options)
     tokens = manifest["num_tokens"]
     metrics = {"samples": manifest["num_samples"], "tokens": tokens, "bytes": size, "files": files,
                "bytes_per_token": round(size / max(tokens, 1), 1), "layers": len(manifest["layers"])}
@@ -51,7 +59,7 @@ def main(params):
     write_json("data/cache/report.json", report)
     # what later stages depend on: it changes exactly when the store's content does, and it exists
     # for a store on S3 too (DVC 3 has no external outputs)
-    write_json("data/cache/manifest.json", dict(manifest, url=cfg.url))
+    write_json("data/cache/manifest.json", dict(manifest, url=url))
     print(json.dumps(metrics))
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from deepspec.cache.format import CacheFormatError
+from deepspec.cache.store import built_store_url
 from deepspec.stage import StageError, configure_threads, run_stage
 from deepspec.train.checkpoint import CheckpointError
 from deepspec.train.run import run_training
@@ -29,7 +30,8 @@ def main(params):
     if world > 1:
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        final = run_training(cfg, params.train_layers, params.cache.url, Path("data/target"), Path("data/draft"),
+        store = built_store_url(params.cache.url)  # cache.url itself, or the stage's store in an S3 lake
+        final = run_training(cfg, params.train_layers, store, Path("data/target"), Path("data/draft"),
                              Path("data/train"), Path("data/train_state"), params.cache.storage_options,
                              rank, world, device)
     except (CacheFormatError, CheckpointError, TrainError) as e:

@@ -17,6 +17,8 @@ import torch
 from tqdm import tqdm
 
 from deepspec.cache.format import bytes_per_token, encode_hidden, sample_id_to_int
+from deepspec.cache.lease import new_run_id
+from deepspec.cache.store import check_lake, is_remote, store_url
 from deepspec.cache.writer import CacheWriter, PartData
 from deepspec.config import CacheConfig
 from deepspec.data.template import TemplateError, encode_conversation
@@ -142,8 +144,11 @@ def load_target(target_dir: Path, device: torch.device):
 
 def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir: Path,
                 rank: int = 0, world: int = 1, barrier=None, device: torch.device | None = None,
-                prune_stale: bool | None = None) -> dict:
-    """Compute and write every missing part; returns the stage report (rank 0's view)."""
+                prune_stale: bool | None = None, share=None) -> dict:
+    """Compute and write every missing part of the store for `cfg.url` (store.store_url: the path
+    itself, or `<lake>/<store key>` on a remote URL); returns the stage report (rank 0's view,
+    `report["url"]` is the store written). Multi-rank: `barrier()` synchronises the ranks and
+    `share(value)` returns rank 0's value on every rank (it passes the job's lease run id)."""
     t0 = time.time()
     device = device or torch.device("cpu")
     ident = load_identity(target_dir)
@@ -152,16 +157,35 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     manifest = cache_manifest(cfg, layers, ident)
-    if prune_stale is None:
-        from deepspec.cache.store import is_remote
-        prune_stale = not is_remote(cfg.url)
-    writer = CacheWriter(cfg.url, manifest, cfg.storage_options, rank=rank, prune_stale=prune_stale) \
-        if rank == 0 else None
-    if barrier:
-        barrier()
-    if writer is None:
-        writer = CacheWriter(cfg.url, manifest, cfg.storage_options, rank=rank)
+    url = store_url(cfg.url, manifest)
+    remote = is_remote(cfg.url)
+    if world > 1 and share is None:
+        raise ValueError("a multi-rank build needs `share` to hand rank 0's run id to the other ranks")
+    run_id = new_run_id() if rank == 0 else None
+    if share is not None:
+        run_id = share(run_id)
+    writer = None
+    if rank == 0:
+        if remote:
+            check_lake(cfg.url, cfg.storage_options)
+        writer = CacheWriter(url, manifest, cfg.storage_options, rank=0, prune_stale=prune_stale, run_id=run_id)
+    try:
+        if barrier:
+            barrier()
+        if writer is None:
+            writer = CacheWriter(url, manifest, cfg.storage_options, rank=rank, run_id=run_id)
+        report = _build(writer, cfg, layers, regen_path, ident, tokenizer, model, pad_id, device,
+                        rank, world, barrier)
+    finally:
+        if writer is not None:
+            writer.release()
+    report["url"] = url
+    report["wall_s"] = round(time.time() - t0, 2)
+    return report
 
+
+def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path: Path, ident: dict, tokenizer,
+           model, pad_id: int, device: torch.device, rank: int, world: int, barrier) -> dict:
     rows = list(read_jsonl(regen_path))
     samples, dropped = encode_rows(tokenizer, rows, cfg.max_length)
     done = writer.committed_sample_ids()
@@ -193,8 +217,7 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
         bar.close()
     if barrier:
         barrier()
-    report = {"rows": len(rows), "samples": len(samples), "dropped": dropped,
-              "forward_s": round(forward_s, 2), "wall_s": round(time.time() - t0, 2)}
+    report = {"rows": len(rows), "samples": len(samples), "dropped": dropped, "forward_s": round(forward_s, 2)}
     if rank == 0:
         report["manifest"] = writer.write_manifest(rescan=world > 1)  # other ranks' parts too
     return report

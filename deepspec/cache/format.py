@@ -23,6 +23,9 @@ FORMAT_VERSION = 1
 DTYPES = ("bfloat16", "fp8")
 CODECS = ("none", "blosc-zstd", "blosc-lz4")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# Manifest fields that decide a store's content: a writer may only add parts to a store whose values
+# for all of them equal its own, and the store-naming rule (store.store_key) hashes exactly these.
+CONTENT_KEYS = ("format_version", "target", "layers", "dtype", "codec", "max_length", "chunk_tokens")
 
 
 class CacheFormatError(ValueError):
@@ -35,6 +38,16 @@ def hidden_name(layer: int | str) -> str:
 
 def scale_name(layer: int | str) -> str:
     return f"scale/{layer}"
+
+
+def part_arrays(layers: list, dtype: str) -> list[str]:
+    """Every array of a part, in the order the writer writes them."""
+    names = ["offsets", "sample_id", "input_ids", "loss_mask"]
+    for layer in [*layers, "last"]:
+        names.append(hidden_name(layer))
+        if dtype != "bfloat16":
+            names.append(scale_name(layer))
+    return names
 
 
 def storage_dtype(dtype: str) -> np.dtype:

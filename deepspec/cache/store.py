@@ -1,13 +1,17 @@
 """Opening a cache store on local disk or any fsspec URL (s3://...), and its part listing."""
 from __future__ import annotations
 
+import asyncio
 import os
+import re
+import uuid
 from pathlib import Path
 from typing import Any
 
 import zarr
+from zarr.storage import FsspecStore, LocalStore
 
-from deepspec.cache.format import FORMAT, FORMAT_VERSION, CacheFormatError
+from deepspec.cache.format import CONTENT_KEYS, FORMAT, FORMAT_VERSION, CacheFormatError
 
 
 def is_remote(url: str) -> bool:
@@ -26,18 +30,138 @@ def storage_options_for(url: str, options: dict[str, Any] | None = None) -> dict
     return opts
 
 
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes the entries created in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_FSYNC_POOL = None
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file under `path`, then every directory, deepest first, then `path` itself.
+    Done once per part after all its files are written, and concurrently: fsyncs in flight together
+    share the filesystem's journal commits instead of paying one each."""
+    global _FSYNC_POOL
+    from concurrent.futures import ThreadPoolExecutor
+
+    if _FSYNC_POOL is None:
+        _FSYNC_POOL = ThreadPoolExecutor(8, thread_name_prefix="fsync")
+    files, dirs = [], []
+    for dirpath, _, names in os.walk(path, topdown=False):
+        files += [os.path.join(dirpath, n) for n in names]
+        dirs.append(dirpath)
+    list(_FSYNC_POOL.map(fsync_path, files))
+    for d in dirs:
+        fsync_path(d)
+
+
+def _durable_replace(path: Path, data) -> None:
+    tmp = path.with_suffix(f".{uuid.uuid4().hex}.partial")  # zarr's own temp-file naming
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_path(path.parent)
+
+
+class DurableLocalStore(LocalStore):
+    """A LocalStore whose *replacements* of an existing key (the root manifest, a part's commit
+    mark) are crash-atomic and durable: temp file, fsync, rename, fsync of the directory, so a power
+    loss leaves the old or the new bytes, never an empty file. New files are written as zarr-python
+    writes them and made durable in one batch before their part is committed (CacheWriter.write_part)."""
+
+    async def _set(self, key: str, value, exclusive: bool = False) -> None:
+        path = self.root / key
+        if exclusive or not path.exists():
+            return await super()._set(key, value, exclusive=exclusive)
+        if not self._is_open:
+            await self._open()
+        self._check_writable()
+        await asyncio.to_thread(_durable_replace, path, value.as_buffer_like())
+
+
+PART_KEY = re.compile(r"parts/[^/]+/.+")
+
+
+class PartConflict(CacheFormatError):
+    pass
+
+
+class FencedS3Store(FsspecStore):
+    """An S3 store on which a writer only ever *creates* the objects of a part (`If-None-Match: *`)
+    and only replaces an object it created itself (`If-Match` on the ETag it got back): the part
+    commit mark. A writer that lost its lease while paused mid-part (deepspec.cache.lease) can then
+    make the new holder's write fail loudly, but can never overwrite or un-commit the new holder's
+    part. Keys outside parts/<name>/ (the root manifest) are written plainly by the lease holder."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._etags: dict[str, str] = {}
+
+    def _s3_path(self, key: str) -> str:
+        return f"{self.path.rstrip('/')}/{key}"
+
+    async def set(self, key: str, value, byte_range=None) -> None:
+        if not PART_KEY.fullmatch(key):
+            return await super().set(key, value, byte_range)
+        if not self._is_open:
+            await self._open()
+        self._check_writable()
+        path = self._s3_path(key)
+        data = value.to_bytes()
+        own = self._etags.get(key)
+        try:
+            if key.endswith("zarr.json") or own:  # small metadata: one PUT whose ETag is kept
+                bucket, name, _ = self.fs.split_path(path)
+                cond = {"IfMatch": own} if own else {"IfNoneMatch": "*"}
+                out = await self.fs._call_s3("put_object", Bucket=bucket, Key=name, Body=data, **cond)
+                self._etags[key] = out["ETag"]
+            else:
+                await self.fs._pipe_file(path, data, mode="create")
+        except OSError as e:
+            code = getattr(e.__cause__, "response", {}).get("Error", {}).get("Code")
+            if isinstance(e, (FileExistsError, FileNotFoundError)) or code in ("PreconditionFailed", "412"):
+                raise PartConflict(f"{key}: another writer created or replaced this object meanwhile; "
+                                   "not overwriting it (was this writer's lease taken over?)") from None
+            raise
+        finally:
+            self.fs.invalidate_cache(path)
+
+    async def set_if_not_exists(self, key: str, value) -> None:
+        if not PART_KEY.fullmatch(key):
+            return await super().set_if_not_exists(key, value)
+        if key in self._etags:
+            return
+        try:
+            await self.set(key, value)
+        except PartConflict:
+            pass  # it exists: exactly what set_if_not_exists leaves alone
+
+
+def local_path(url: str) -> Path:
+    return Path(url.removeprefix("file://"))
+
+
 def open_store(url: str, mode: str = "r", storage_options: dict | None = None):
     if is_remote(url):
-        from zarr.storage import FsspecStore
-
-        return FsspecStore.from_url(url, storage_options=storage_options_for(url, storage_options),
-                                    read_only=mode == "r")
-    from zarr.storage import LocalStore
-
-    path = Path(url.removeprefix("file://"))
-    if mode == "r" and not (path / "zarr.json").exists():
-        raise CacheFormatError(f"{url}: not a cache store (no zarr.json)")
-    return LocalStore(path, read_only=mode == "r")
+        cls = FencedS3Store if url.startswith("s3://") and mode != "r" else FsspecStore
+        return cls.from_url(url, storage_options=storage_options_for(url, storage_options), read_only=mode == "r")
+    path = local_path(url)
+    if mode == "r":
+        if not (path / "zarr.json").exists():
+            raise CacheFormatError(f"{url}: not a cache store (no zarr.json)")
+        return LocalStore(path, read_only=True)
+    return DurableLocalStore(path)
 
 
 def open_root(url: str, mode: str = "r", storage_options: dict | None = None) -> zarr.Group:
@@ -56,3 +180,100 @@ def read_manifest(root: zarr.Group, url: str) -> dict:
         raise CacheFormatError(f"{url}: format_version {attrs.get('format_version')} is not supported "
                                f"(this reader knows {FORMAT_VERSION})")
     return attrs
+
+
+# ---- store naming (docs/cache-format.md §9) ----------------------------------------------------
+
+def content_of(manifest: dict) -> dict:
+    """The fields that decide a store's content (format.CONTENT_KEYS), as manifest_mismatch compares
+    them: the target by its hashes and shape (its `id` is derived from those)."""
+    content = {k: manifest.get(k) for k in CONTENT_KEYS}
+    content["format_version"] = manifest.get("format_version", FORMAT_VERSION)
+    content["target"] = {k: v for k, v in sorted((manifest.get("target") or {}).items()) if k != "id"}
+    return content
+
+
+def store_key(manifest: dict) -> str:
+    """The name of the store for this content inside a lake: readable fields, then a hash of all
+    content fields, e.g. `3f9a2c1b7d4e5f60-L1.9.17.25.33-bf16-5d41402abc4b` (`emb` = layer -1;
+    `-zstd`/`-lz4` after the dtype when a codec is set). Equal content <=> equal key."""
+    import re
+
+    from deepspec.io import fingerprint
+
+    target = re.sub(r"[^A-Za-z0-9._]+", "_", str((manifest.get("target") or {}).get("id") or "target"))
+    layers = ".".join("emb" if int(i) == -1 else str(int(i)) for i in manifest["layers"])
+    dtype = {"bfloat16": "bf16"}.get(manifest["dtype"], manifest["dtype"])
+    codec = "" if manifest.get("codec", "none") == "none" else "-" + manifest["codec"].removeprefix("blosc-")
+    return f"{target}-L{layers}-{dtype}{codec}-{fingerprint(content_of(manifest))[:12]}"
+
+
+def store_url(url: str, manifest: dict) -> str:
+    """The store the cache stage writes for `cache.url`. A local path *is* the store (one store,
+    versioned by DVC: data/cache.zarr); a remote URL names a *lake*, a prefix holding one store per
+    content, `<url>/<store_key>`, so experiments with other layers/dtype/... write siblings and never
+    touch a store another experiment or teammate uses."""
+    if not is_remote(url):
+        return url
+    return f"{url.rstrip('/')}/{store_key(manifest)}"
+
+
+def check_lake(url: str, storage_options: dict | None = None) -> None:
+    """A lake must not itself be a store (a cache.url written before lakes existed)."""
+    import json
+
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url, **storage_options_for(url, storage_options))
+    try:
+        meta = json.loads(fs.cat_file(f"{root.rstrip('/')}/zarr.json"))
+    except FileNotFoundError:
+        return
+    attrs = meta.get("attributes") or {}
+    if attrs.get("format") != FORMAT:
+        return
+    parent = url.rstrip("/").rsplit("/", 1)[0]
+    raise CacheFormatError(
+        f"{url} is a cache store, but a remote cache.url names a lake: a prefix with one store per content "
+        f"(docs/cache-format.md §9). Move the store to {parent}/{store_key(attrs)} and set cache.url to "
+        f"{parent}, or set cache.url to a new prefix")
+
+
+def list_stores(url: str, storage_options: dict | None = None) -> list[dict]:
+    """The stores directly under a lake prefix: {"url", "layers", "dtype", "codec", "samples", "tokens"}."""
+    import json
+
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url, **storage_options_for(url, storage_options))
+    fs.invalidate_cache(root)
+    out = []
+    for child in sorted(fs.ls(root, detail=False)):
+        name = child.rstrip("/").rsplit("/", 1)[-1]
+        try:
+            attrs = json.loads(fs.cat_file(f"{child.rstrip('/')}/zarr.json")).get("attributes") or {}
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError):
+            continue
+        if attrs.get("format") != FORMAT:
+            continue
+        out.append({"url": f"{url.rstrip('/')}/{name}", "layers": attrs.get("layers"), "dtype": attrs.get("dtype"),
+                    "codec": attrs.get("codec"), "samples": attrs.get("num_samples"),
+                    "tokens": attrs.get("num_tokens"), "target": (attrs.get("target") or {}).get("id")})
+    return out
+
+
+def built_store_url(cache_url: str, manifest_path: str | Path = "data/cache/manifest.json") -> str:
+    """The store the cache stage wrote, which `train` reads: the URL its manifest records (a DVC
+    dependency of train); without one (a stage run by hand), a local cache.url is the store itself."""
+    import json
+
+    path = Path(manifest_path)
+    if not path.exists():
+        if not is_remote(cache_url):
+            return cache_url
+        raise CacheFormatError(f"{path}: missing; it names the store inside the lake {cache_url} "
+                               "(run the cache stage first: dvc repro cache)")
+    try:
+        return json.loads(path.read_text())["url"]
+    except (ValueError, KeyError):
+        raise CacheFormatError(f"{path}: no store url recorded (rerun the cache stage)") from None

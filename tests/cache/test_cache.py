@@ -247,6 +247,8 @@ def test_sigkill_mid_stage_then_rerun_equals_a_clean_run(tmp_path, trained_targe
     assert 0 < len(list(parts.glob("*"))) < total
     subprocess.run(cmd, cwd=crash, env=_stage_env(), check=True, capture_output=True)
     assert array_hashes(str(crash / "data/cache.zarr")) == array_hashes(str(clean / "data/cache.zarr"))
+    files = lambda w: sorted(str(p.relative_to(w)) for p in (w / "data/cache.zarr").rglob("*"))  # noqa: E731
+    assert files(crash) == files(clean)  # no debris (temp files, lock file) left for DVC to hash
     assert json.loads((crash / "data/cache/metrics.json").read_text())["samples"] == len(rows)
 
 
@@ -271,13 +273,14 @@ def test_torchrun_two_processes_equal_one_process(tmp_path, trained_target):
     assert len(a) == len(b) == len(regen_rows())
 
 
-def test_cache_stage_writes_to_s3_and_refuses_a_foreign_store(tmp_path, trained_target, moto):
+def test_cache_stage_writes_to_s3_and_never_overwrites_a_foreign_store(tmp_path, trained_target, moto):
     bucket = moto.bucket("cache-stage")
     work = workdir(tmp_path, trained_target, regen_rows(20))
-    url = f"s3://{bucket}/runs/cache.zarr"
-    cfg = CacheConfig(url=url, part_tokens=200, storage_options=moto.storage_options)
+    lake = f"s3://{bucket}/runs/lake"
+    cfg = CacheConfig(url=lake, part_tokens=200, storage_options=moto.storage_options)
     report = build_cache(cfg, LAYERS, work / "data/regen/train.jsonl", work / "data/target")
-    assert report["manifest"]["num_samples"] == 20
+    url = report["url"]
+    assert url.startswith(lake + "/") and report["manifest"]["num_samples"] == 20
     assert verify(url, moto.storage_options)["ok"]
     local = workdir(tmp_path / "local", trained_target, regen_rows(20))
     build(local, part_tokens=200)
@@ -286,12 +289,13 @@ def test_cache_stage_writes_to_s3_and_refuses_a_foreign_store(tmp_path, trained_
         sa, sb = a.read(i), b.read(i)
         assert all(np.array_equal(np.asarray(sa[k][0] if isinstance(sa[k], tuple) else sa[k]),
                                   np.asarray(sb[k][0] if isinstance(sb[k], tuple) else sb[k])) for k in sb)
-    objects = moto.client().list_objects_v2(Bucket=bucket, Prefix="runs/cache.zarr/")["Contents"]
+    objects = moto.client().list_objects_v2(Bucket=bucket, Prefix=url.split("/", 3)[3] + "/")["Contents"]
     assert any(o["Key"].endswith("hidden/0/c/0/0") for o in objects)
-    # a different cache config on the same shared store is refused, naming the field
+    assert not any(o["Key"].endswith("lease.json") for o in objects)  # released, never tracked by DVC
+    # a writer whose content differs is refused at that store, naming the field; nothing is pruned
     with pytest.raises(CacheFormatError, match=r"layers: store has \[-1, 0, 2\], expected \[0\]"):
-        build_cache(cfg, [0], work / "data/regen/train.jsonl", work / "data/target")
-    assert CacheReader(url, moto.storage_options).layers == LAYERS  # nothing was pruned
+        CacheWriter(url, dict(a.manifest, layers=[0]), moto.storage_options)
+    assert CacheReader(url, moto.storage_options).layers == LAYERS
 
 
 LOCAL_OUT = "      - data/cache.zarr:"
@@ -300,40 +304,78 @@ S3_OUT = """      - ${cache.url}:
           persist: true"""
 
 
+def _s3_objects(moto, bucket: str, prefix: str) -> dict[str, str]:
+    """key -> sha256 of the bytes @ LastModified: equal dicts mean not one object was rewritten."""
+    s3, out = moto.client(), {}
+    for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []):
+        body = s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+        out[o["Key"]] = hashlib.sha256(body).hexdigest() + "@" + o["LastModified"].isoformat()
+    return out
+
+
 @pytest.mark.slow
-def test_dvc_tracks_an_s3_cache_declared_cache_false(tmp_path, trained_target, moto):
-    """The GPU recipe's dvc.yaml edit for a cache on S3, run through DVC against moto."""
+def test_dvc_s3_cache_lake_layer_experiment_and_going_back(tmp_path, trained_target, moto):
+    """The GPU recipe's dvc.yaml edit for a cache on S3, run through DVC against moto: the lake is
+    tracked as an uncached output, `dvc exp run -S 'layers=[...]'` writes a sibling store without
+    touching the original, and going back (rerun or `dvc exp apply`) rewrites nothing."""
     recipe = (REPO / "docs/gpu-recipe.md").read_text()
     assert S3_OUT in recipe, "docs/gpu-recipe.md must show the exact edit this test makes"
     repo = clone_project(tmp_path / "repo")
     dvc_yaml = (repo / "dvc.yaml").read_text()
     start = dvc_yaml.index(LOCAL_OUT)
     end = dvc_yaml.index("persist: true", start) + len("persist: true")
-    (repo / "dvc.yaml").write_text(dvc_yaml[:start] + S3_OUT + dvc_yaml[end:])
+    # only the cache stage: its inputs are copied in below, and a workspace `dvc exp run` would
+    # delete upstream outputs whose hashes are not in this clone's DVC cache
+    pipeline = yaml.safe_load(dvc_yaml[:start] + S3_OUT + dvc_yaml[end:])
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"cache": pipeline["stages"]["cache"]}}))
     bucket = moto.bucket("dvc-external")
-    url = f"s3://{bucket}/lake/cache.zarr"
+    lake = f"s3://{bucket}/lake"
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["layers"] = LAYERS
-    params["cache"].update(url=url, part_tokens=200)
+    params["cache"].update(url=lake, part_tokens=200)
     (repo / "params.yaml").write_text(yaml.safe_dump(params))
     workdir(tmp_path, trained_target, regen_rows(12))
     shutil.copytree(tmp_path / "work" / "data", repo / "data", dirs_exist_ok=True)
     # one endpoint setting that DVC, s3fs and boto3 all read
     env = project_env(repo, **moto.env, AWS_ENDPOINT_URL=moto.endpoint)
+    store_of = lambda: json.loads((repo / "data/cache/manifest.json").read_text())["url"]  # noqa: E731
 
     out = run(["dvc", "repro", "-s", "cache"], repo, env).stdout
     assert "Running stage 'cache'" in out
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["cache"]
     tracked = {o["path"]: o for o in lock["outs"]}
-    assert tracked[url]["md5"].endswith(".dir") and tracked[url]["nfiles"] > 10
+    assert tracked[lake]["md5"].endswith(".dir") and tracked[lake]["nfiles"] > 10
     assert not (repo / "data/cache.zarr").exists()
-    assert CacheReader(url, moto.storage_options).lengths().size == 12
+    original = store_of()
+    assert original.startswith(lake + "/") and CacheReader(original, moto.storage_options).lengths().size == 12
     assert "up to date" in run(["dvc", "status", "cache"], repo, env).stdout
     assert "Running stage" not in run(["dvc", "repro", "-s", "cache"], repo, env).stdout
+    prefix = original.split("/", 3)[3] + "/"
+    before = _s3_objects(moto, bucket, prefix)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    run(["git", "add", "-A"], repo, env)
+    run([*git, "commit", "-qm", "cache on S3"], repo, env)
 
-    # DVC notices a change made to the store behind its back
+    # the documented experiment: a sibling store in the lake; the original is not touched
+    out = run(["dvc", "exp", "run", "-s", "cache", "-n", "two-layers", "-S", "layers=[0,2]"], repo, env).stdout
+    assert "Running stage 'cache'" in out
+    smaller = store_of()
+    assert smaller != original and smaller.startswith(lake + "/")
+    assert CacheReader(smaller, moto.storage_options).layers == [0, 2]
+    assert _s3_objects(moto, bucket, prefix) == before
+    lake_after = _s3_objects(moto, bucket, "lake/")
+
+    # going back: the original store is complete, so nothing in the lake is written
+    run(["dvc", "exp", "run", "-s", "cache", "-S", f"layers={LAYERS}"], repo, env)
+    assert store_of() == original and _s3_objects(moto, bucket, "lake/") == lake_after
+    assert not any(k.endswith("lease.json") for k in lake_after)
+    # and the experiment is one `dvc exp apply` away, with nothing to recompute
+    run(["dvc", "exp", "apply", "two-layers"], repo, env)
+    assert store_of() == smaller
+    assert "up to date" in run(["dvc", "status", "cache"], repo, env).stdout
+
+    # DVC notices a change made to the lake behind its back
     s3 = moto.client()
-    key = next(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="lake/cache.zarr/parts/")["Contents"]
-               if o["Key"].endswith("input_ids/c/0"))
+    key = next(k for k in before if k.endswith("input_ids/c/0"))
     s3.delete_object(Bucket=bucket, Key=key)
     assert "modified" in run(["dvc", "status", "cache"], repo, env).stdout

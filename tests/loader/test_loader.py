@@ -43,6 +43,7 @@ def write_store(url, parts, dtype="bfloat16", codec="none", storage_options=None
         w.submit(part)
     w.close()
     w.write_manifest()
+    w.release()
     return url
 
 

@@ -1,0 +1,201 @@
+"""One writer per store: a lease on S3 (conditional PUTs on moto) and a lock on local disk, held by
+real second processes (tests/cache/lease_holder.py)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deepspec.cache.format import CacheFormatError
+from deepspec.cache.writer import CacheWriter
+from tests.cache.lease_holder import MANIFEST, part
+from tests.conftest import REPO, project_env
+
+
+class Holder:
+    """A writer in another process, driven line by line."""
+
+    def __init__(self, url, storage_options=None, ttl=3.0, **spec):
+        spec = dict(url=url, storage_options=storage_options, ttl=ttl, **spec)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.cache.lease_holder", json.dumps(spec)],
+                                     cwd=REPO, env=project_env(REPO), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.pid = self.proc.pid
+
+    def event(self, timeout=120) -> dict:
+        line = self.proc.stdout.readline()
+        assert line, f"holder exited with {self.proc.wait(timeout)}"
+        return json.loads(line)
+
+    def held(self) -> dict:
+        ev = self.event()
+        assert ev["event"] == "held", ev
+        self.run_id = ev["run_id"]
+        return ev
+
+    def send(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.event()
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def holders():
+    made = []
+
+    def make(*a, **kw):
+        made.append(Holder(*a, **kw))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.close()
+
+
+@pytest.fixture
+def s3_store(moto):
+    import uuid
+
+    return f"s3://{moto.bucket('lease-' + uuid.uuid4().hex[:12])}/lake/store", moto.storage_options
+
+
+def part_ids(url, storage_options, name) -> list[int]:
+    from deepspec.cache.store import open_root
+
+    return [int(v) for v in open_root(url, "r", storage_options)[f"parts/{name}/sample_id"][...]]
+
+
+def test_second_s3_writer_is_refused_naming_the_holder_while_the_lease_renews(s3_store, holders):
+    url, so = s3_store
+    a = holders(url, so, ttl=2)
+    a.held()
+    time.sleep(3)  # longer than the lease: only renewals keep it
+    with pytest.raises(CacheFormatError) as err:
+        CacheWriter(url, MANIFEST, so)
+    msg = str(err.value)
+    assert f"run {a.run_id}" in msg and f"pid {a.pid}" in msg and "expires at" in msg, msg
+    assert a.send(do="write", part="p000000", seed=1)["event"] == "wrote"
+    assert a.send(do="release")["event"] == "released"
+    b = CacheWriter(url, MANIFEST, so)  # free again
+    assert list(b.committed_parts()) == ["p000000"] and part_ids(url, so, "p000000") == [11, 12]
+    b.release()
+
+
+def test_expired_lease_of_another_host_is_taken_over(s3_store, holders, caplog):
+    url, so = s3_store
+    a = holders(url, so, ttl=2, lease_only=True, host="node-a")
+    a.held()
+    a.kill()  # its lease stays behind; it can not tell us it died
+    with pytest.raises(CacheFormatError, match=r"host node-a.*expires at"):
+        CacheWriter(url, MANIFEST, so)
+    time.sleep(3)
+    w = CacheWriter(url, MANIFEST, so)
+    assert "taking over the expired lease" in caplog.text and a.run_id in caplog.text
+    w.release()
+
+
+def test_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(s3_store, holders, caplog):
+    url, so = s3_store
+    a = holders(url, so, ttl=600, lease_only=True)
+    a.held()
+    a.kill()
+    w = CacheWriter(url, MANIFEST, so)
+    assert "no longer running" in caplog.text and a.run_id in caplog.text
+    w.release()
+
+
+def test_two_writers_starting_together_exactly_one_wins(s3_store, holders):
+    url, so = s3_store
+    start = time.time() + 8  # both processes have imported everything by then
+    a, b = holders(url, so, start_at=start), holders(url, so, start_at=start)
+    events = sorted([a.event()["event"], b.event()["event"]])
+    assert events == ["held", "refused"], events
+
+
+def test_a_paused_writer_loses_its_lease_and_commits_nothing(s3_store, holders, caplog):
+    """The overwrite this prevents: two writers compute the same part names. A writer stopped past its
+    lease (SIGSTOP, a long GC pause, a partitioned node) is taken over; when it wakes up it must not
+    commit its part over the new holder's."""
+    url, so = s3_store
+    a = holders(url, so, ttl=2)
+    a.held()
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        time.sleep(3)
+        b = CacheWriter(url, MANIFEST, so)
+        assert "taking over the expired lease" in caplog.text
+        b.write_part(part("p000000", 2))
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    ev = a.send(do="write", part="p000000", seed=1)
+    assert ev["event"] == "failed" and "lease" in ev["error"] and b.lease.run_id in ev["error"], ev
+    assert part_ids(url, so, "p000000") == [21, 22]
+    b.release()
+
+
+def test_local_store_is_locked_and_a_killed_holder_frees_it(tmp_path, holders):
+    url = str(tmp_path / "cache.zarr")
+    a = holders(url)
+    a.held()
+    with pytest.raises(CacheFormatError, match=rf"run {a.run_id} \(host .*, pid {a.pid}"):
+        CacheWriter(url, MANIFEST)
+    a.kill()
+    w = CacheWriter(url, MANIFEST)
+    w.write_part(part("p000000", 1))
+    w.release()
+    assert not (Path(url) / "lease.json").exists()  # never hashed or pushed by DVC
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_ranks_of_one_job_share_the_lease(where, tmp_path, s3_store):
+    url, so = (str(tmp_path / "cache.zarr"), None) if where == "local" else s3_store
+    rank0 = CacheWriter(url, MANIFEST, so, run_id="job-1")
+    rank1 = CacheWriter(url, MANIFEST, so, rank=1, run_id="job-1")
+    with pytest.raises(CacheFormatError, match="run job-1"):
+        CacheWriter(url, MANIFEST, so, rank=1, run_id="job-2")
+    rank1.write_part(part("p000001", 1))
+    rank0.write_part(part("p000000", 2))
+    rank0.release()
+    with pytest.raises(CacheFormatError, match="lease"):
+        rank1.write_part(part("p000002", 3))
+    again = CacheWriter(url, MANIFEST, so)
+    assert sorted(again.committed_parts()) == ["p000000", "p000001"]
+    assert np.array_equal(part_ids(url, so, "p000001"), [11, 12])
+    again.release()
+
+
+def test_objects_of_a_part_are_only_created_never_overwritten_on_s3(s3_store):
+    """The fence behind the lease: a writer whose lease was taken over while it was paused mid-part
+    still holds its store object. Whatever it writes into a part that another writer created fails
+    loudly instead of overwriting (or un-committing) that part."""
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.core.sync import sync
+
+    from deepspec.cache.store import PartConflict, open_store
+
+    url, so = s3_store
+    holder = CacheWriter(url, MANIFEST, so)
+    stale = open_store(url, "a", so)  # the paused writer's view of the same store
+    holder.write_part(part("p000000", 2))
+    junk = default_buffer_prototype().buffer.from_bytes(b'{"attributes": {"committed": false}}')
+    for key in ("parts/p000000/zarr.json", "parts/p000000/sample_id/c/0", "parts/p000000/hidden/0/zarr.json"):
+        with pytest.raises(PartConflict, match="not overwriting"):
+            sync(stale.set(key, junk))
+    sync(stale.set_if_not_exists("parts/p000000/zarr.json", junk))  # leaves it alone
+    assert part_ids(url, so, "p000000") == [21, 22]
+    assert list(holder.committed_parts()) == ["p000000"]
+    holder.release()
