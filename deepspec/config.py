@@ -7,6 +7,7 @@ before any stage does expensive work.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -140,13 +141,44 @@ class TrainConfig:
 
 
 @dataclass
+class SuiteConfig:
+    """One named prompt set of the eval stage (see deepspec/evaluate/suites.py)."""
+    source: str = "heldout"           # heldout | humaneval | mtbench | path/to/file.jsonl ({"turns": [...]} rows)
+    name: str = ""                    # "" = the source's name (a file's stem)
+    max_prompts: int = _f(0, ge=0)    # 0 = every prompt of the suite
+
+    def __post_init__(self) -> None:
+        self.name = self.name or suite_name(self.source)
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", self.name):  # it becomes a metrics key: `dvc exp show` column heldout.tau
+            raise ConfigError(f"name {self.name!r} must be letters, digits, '_' or '-' (set `name:`)")
+
+
+def _default_suites() -> list[SuiteConfig]:
+    return [SuiteConfig("heldout", max_prompts=40), SuiteConfig("humaneval", max_prompts=10),
+            SuiteConfig("mtbench", max_prompts=8)]
+
+
+@dataclass
 class EvalConfig:
-    prompts: str = ""
-    max_prompts: int = _f(40, ge=1)
-    max_new_tokens: int = _f(64, ge=1)
+    suites: list[SuiteConfig] = _f(factory=_default_suites)
+    max_new_tokens: int = _f(64, ge=1)  # per user turn
+    thinking: bool = False              # the chat template's enable_thinking switch
     sample: bool = True
     confidence_threshold: float = _f(0.0, ge=0.0, le=1.0)
     threads: int = _f(0, ge=0)
+
+    def __post_init__(self) -> None:
+        if not self.suites:
+            raise ConfigError("suites: must list at least one suite")
+        names = [s.name for s in self.suites]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError(f"suites: names must be unique, {dup[0]!r} appears twice (set `name:`)")
+
+
+def suite_name(source: str) -> str:
+    """`heldout` -> heldout, `path/to/mt_bench.jsonl` -> mt_bench."""
+    return Path(source).stem if source.endswith(".jsonl") else source
 
 
 @dataclass

@@ -1,14 +1,16 @@
-"""DVC stage `eval`: speculative decoding with data/draft + data/target on held-out prompts."""
+"""DVC stage `eval`: speculative decoding with data/draft + data/target on every `eval.suites` set."""
 import json
 from pathlib import Path
 
 import torch
 
-from deepspec.evaluate.run import PromptError, evaluate, load_prompts
+from deepspec.evaluate.run import compact_metrics, evaluate, plot_rows
+from deepspec.evaluate.suites import PromptError, load_suite
 from deepspec.io import write_json, write_jsonl
 from deepspec.stage import StageError, configure_threads, run_stage
 
 OUT = Path("data/eval")
+HELDOUT = Path("data/split/eval.jsonl")
 
 
 def main(params):
@@ -16,13 +18,16 @@ def main(params):
     configure_threads(cfg.threads)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     try:
-        prompts = load_prompts(Path(cfg.prompts or "data/split/eval.jsonl"), cfg.max_prompts)
-        metrics, rows = evaluate(Path("data/target"), Path("data/draft"), prompts, cfg, params.sampling, device)
+        suites = {s.name: load_suite(s, HELDOUT) for s in cfg.suites}  # every suite readable before any decoding
+        report, rows = evaluate(Path("data/target"), Path("data/draft"), suites, cfg, params.sampling, device)
     except PromptError as e:
         raise StageError(str(e)) from None
-    write_json(OUT / "metrics.json", metrics)
+    metrics = compact_metrics(report)
+    write_json(OUT / "report.json", report)
+    write_json(OUT / "plots/tau.json", plot_rows(report))
     write_jsonl(OUT / "prompts.jsonl", rows)
-    print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, dict)}))
+    write_json(OUT / "metrics.json", metrics)
+    print(json.dumps({name: m for name, m in metrics.items() if name != "protocol"}))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,22 @@
-"""The `eval` stage: speculative vs plain decoding on held-out prompts, reference metrics.
+"""The `eval` stage: speculative vs plain decoding on named prompt suites, reference metrics.
+
+Every user turn of a prompt is asked in order, with the target's own greedy answers as the
+assistant history (the way MT-Bench is run); greedy plain, greedy speculative and (optionally)
+sampled speculative decoding all continue the same history. Per suite, pooled over every verify
+round of every turn:
 
     tau              mean over verify rounds of (accepted draft tokens + 1), the +1 being the
-                     target's own token (not counted after an accepted stop token)
+                     target's own token (not counted after an accepted stop token, nor when the
+                     round already filled max_new_tokens)
     accept_rate@k    #{rounds with more than k accepted} / #{rounds that proposed more than k}
     mean_proposal    mean number of draft tokens verified per round
     speedup          tokens/s of speculative decoding / tokens/s of plain decoding (greedy)
+    greedy_match     fraction of turns whose greedy speculative output equals plain decoding
     confidence       (drafts with a confidence head) the predicted prefix acceptance of every
                      verified slot against the outcome: mean prediction, observed rate, Brier
                      score, expected calibration error (10 bins) and AUROC
-Per-prompt rows keep the numbers of every prompt; `per_task` groups tau by the split's task.
+Per-turn rows keep the numbers (and the answer) of every turn; `per_task` groups tau by task.
+The protocol (template, thinking, sampling filters, block size, budget) travels with the metrics.
 """
 from __future__ import annotations
 
@@ -22,54 +30,13 @@ import torch
 from tqdm import tqdm
 
 from deepspec.config import EvalConfig, SamplingConfig
-from deepspec.data.conversation import normalize_prompt
 from deepspec.data.template import encode_prompt
-from deepspec.evaluate.specdec import Result, SpecDecoder, Warp
+from deepspec.evaluate.specdec import FILTER_ORDER, Result, SpecDecoder, Warp
+from deepspec.evaluate.suites import PromptError
 
 log = logging.getLogger(__name__)
 
-
-class PromptError(ValueError):
-    pass
-
-
-def load_prompts(path: Path, limit: int) -> list[dict]:
-    """Rows with `turns` (our split's eval file or the reference's eval JSONL); first turn is used.
-    A prompt repeated in the file (same system prompt and same first turn up to case and
-    whitespace) is evaluated once, so it does not weigh twice in the metrics."""
-    rows, seen = [], set()
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptError(f"{path}:{lineno}: not valid JSON: {e.msg}") from None
-            turns = row.get("turns") if isinstance(row, dict) else None
-            if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
-                raise PromptError(f"{path}:{lineno}: field 'turns' must be a non-empty list of strings")
-            key = (row.get("system"), normalize_prompt(turns[0]))
-            if key in seen:
-                continue
-            seen.add(key)
-            rows.append({"id": str(row.get("id", lineno)), "task": str(row.get("task", "unknown")),
-                         "system": row.get("system"), "prompt": turns[0]})
-    if not rows:
-        raise PromptError(f"{path}: no prompts")
-    return interleave_tasks(rows)[:limit]
-
-
-def interleave_tasks(rows: list[dict]) -> list[dict]:
-    """Round-robin over tasks in file order, so a prefix of the list covers every task."""
-    by_task: dict[str, list[dict]] = collections.defaultdict(list)
-    for r in rows:
-        by_task[r["task"]].append(r)
-    queues = [by_task[t] for t in sorted(by_task)]
-    out = []
-    for i in range(max(len(q) for q in queues)):
-        out.extend(q[i] for q in queues if i < len(q))
-    return out
+__all__ = ["PromptError", "evaluate", "compact_metrics", "plot_rows", "round_metrics"]
 
 
 def round_metrics(results: list[Result], block: int) -> dict:
@@ -132,50 +99,111 @@ def load_models(target_dir: Path, draft_dir: Path, device: torch.device):
     return tok, target, draft, stop
 
 
-def evaluate(target_dir: Path, draft_dir: Path, prompts: list[dict], cfg: EvalConfig, sampling: SamplingConfig,
-             device: torch.device | None = None) -> tuple[dict, list[dict]]:
-    device = device or torch.device("cpu")
-    tok, target, draft, stop = load_models(target_dir, draft_dir, device)
-    if draft.config.target.get("id") and draft.config.target != json.loads((target_dir / "identity.json").read_text()):
-        raise PromptError(f"{draft_dir}: the draft was trained against another target "
-                          f"({draft.config.target.get('id')})")
-    dec = SpecDecoder(target, draft, stop, device, confidence_threshold=cfg.confidence_threshold)
-    greedy = Warp()
-    sampled = Warp.from_sampling(sampling, greedy=False)
-    do_sample = cfg.sample and not sampled.greedy
-    rows, spec_g, plain_g, spec_s = [], [], [], []
-    for i, p in enumerate(tqdm(prompts, desc="eval", unit="prompt", dynamic_ncols=True)):
-        turns = ([{"role": "system", "content": p["system"]}] if p.get("system") else []) + \
-                [{"role": "user", "content": p["prompt"]}]
-        ids = encode_prompt(tok, turns, enable_thinking=False)
-        plain = dec.plain(ids, cfg.max_new_tokens, greedy)
-        spec = dec.speculative(ids, cfg.max_new_tokens, greedy)
-        row = {"id": p["id"], "task": p["task"], "prompt_tokens": len(ids), "new_tokens": len(spec.tokens),
-               "greedy_match": spec.tokens == plain.tokens,
-               "tau": round_metrics([spec], draft.config.block_size)["tau"],
-               "spec_s": round(spec.seconds, 4), "plain_s": round(plain.seconds, 4)}
-        plain_g.append(plain)
-        spec_g.append(spec)
-        if do_sample:
-            s = dec.speculative(ids, cfg.max_new_tokens, sampled, seed=sampling.seed + i)
-            spec_s.append(s)
-            row["tau_sample"] = round_metrics([s], draft.config.block_size)["tau"]
-        rows.append(row)
+class Session:
+    """Target + draft loaded once; asks the turns of one prompt at a time."""
 
-    block = draft.config.block_size
-    g = round_metrics(spec_g, block)
-    spec_rate = sum(len(r.tokens) for r in spec_g) / max(sum(r.seconds for r in spec_g), 1e-9)
-    plain_rate = sum(len(r.tokens) for r in plain_g) / max(sum(r.seconds for r in plain_g), 1e-9)
+    def __init__(self, target_dir: Path, draft_dir: Path, cfg: EvalConfig, sampling: SamplingConfig,
+                 device: torch.device | None = None):
+        self.device = device or torch.device("cpu")
+        self.tok, target, draft, self.stop = load_models(target_dir, draft_dir, self.device)
+        self.identity = json.loads((target_dir / "identity.json").read_text())
+        if draft.config.target.get("id") and draft.config.target != self.identity:
+            raise PromptError(f"{draft_dir}: the draft was trained against another target "
+                              f"({draft.config.target.get('id')})")
+        self.block = draft.config.block_size
+        self.dec = SpecDecoder(target, draft, self.stop, self.device, confidence_threshold=cfg.confidence_threshold)
+        self.cfg, self.sampling = cfg, sampling
+        self.greedy = Warp()
+        self.sampled = Warp.from_sampling(sampling, greedy=False)
+        self.do_sample = cfg.sample and not self.sampled.greedy
+
+    def answer_text(self, tokens: list[int]) -> str:
+        """The assistant turn that goes into the history: the answer without its stop token."""
+        return self.tok.decode([t for t in tokens if t not in self.stop], skip_special_tokens=True)
+
+    def ask(self, prompt: dict, seed: int) -> list[dict]:
+        """Every user turn in order; returns one row per turn with its Results under `_results`."""
+        history = [{"role": "system", "content": prompt["system"]}] if prompt.get("system") else []
+        rows = []
+        for t, user in enumerate(prompt["turns"]):
+            history.append({"role": "user", "content": user})
+            ids = encode_prompt(self.tok, history, enable_thinking=self.cfg.thinking)
+            plain = self.dec.plain(ids, self.cfg.max_new_tokens, self.greedy)
+            spec = self.dec.speculative(ids, self.cfg.max_new_tokens, self.greedy)
+            answer = self.answer_text(plain.tokens)
+            row = {"id": prompt["id"], "task": prompt["task"], "turn": t, "prompt_tokens": len(ids),
+                   "new_tokens": len(spec.tokens), "greedy_match": spec.tokens == plain.tokens,
+                   "tau": round_metrics([spec], self.block)["tau"], "rounds": len(spec.rounds),
+                   "spec_s": round(spec.seconds, 4), "plain_s": round(plain.seconds, 4), "answer": answer,
+                   "_results": {"plain": plain, "spec": spec}}
+            if self.do_sample:
+                s = self.dec.speculative(ids, self.cfg.max_new_tokens, self.sampled, seed=seed * 1000 + t)
+                row["tau_sample"] = round_metrics([s], self.block)["tau"]
+                row["_results"]["sample"] = s
+            rows.append(row)
+            history.append({"role": "assistant", "content": answer})
+        return rows
+
+    def protocol(self) -> dict:
+        s = self.sampling
+        return {"chat_template_sha256": str(self.identity.get("chat_template_sha256", ""))[:16],
+                "thinking": self.cfg.thinking, "history": "target greedy answers",
+                "greedy": True, "sampled": self.do_sample,
+                "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
+                "filter_order": ",".join(FILTER_ORDER), "block_size": self.block,
+                "max_new_tokens": self.cfg.max_new_tokens, "tau_counts_bonus": True}
+
+
+def suite_metrics(rows: list[dict], block: int, do_sample: bool) -> dict:
+    """Pooled over every verify round of every turn of the suite."""
+    spec = [r["_results"]["spec"] for r in rows]
+    plain = [r["_results"]["plain"] for r in rows]
+    g = round_metrics(spec, block)
+    spec_rate = sum(len(r.tokens) for r in spec) / max(sum(r.seconds for r in spec), 1e-9)
+    plain_rate = sum(len(r.tokens) for r in plain) / max(sum(r.seconds for r in plain), 1e-9)
     g |= {"tokens_per_s": round(spec_rate, 2), "plain_tokens_per_s": round(plain_rate, 2),
           "speedup": round(spec_rate / plain_rate, 4),
           "greedy_match": round(sum(r["greedy_match"] for r in rows) / len(rows), 4)}
     per_task = collections.defaultdict(list)
-    for row, res in zip(rows, spec_g):
-        per_task[row["task"]].append(res)
-    metrics = {"tau": g["tau"], "speedup": g["speedup"], "prompts": len(rows), "greedy": g,
-               "per_task": {t: round_metrics(r, block)["tau"] for t, r in sorted(per_task.items())}}
+    for r in rows:
+        per_task[r["task"]].append(r["_results"]["spec"])
+    out = {"tau": g["tau"], "speedup": g["speedup"], "greedy_match": g["greedy_match"],
+           "prompts": sum(r["turn"] == 0 for r in rows), "turns": len(rows), "greedy": g,
+           "per_task": {t: round_metrics(r, block)["tau"] for t, r in sorted(per_task.items())}}
     if do_sample:
-        metrics["sample"] = round_metrics(spec_s, block) | {"temperature": sampling.temperature,
-                                                            "top_p": sampling.top_p, "top_k": sampling.top_k}
-        metrics["tau_sample"] = metrics["sample"]["tau"]
-    return metrics, rows
+        out["sample"] = round_metrics([r["_results"]["sample"] for r in rows], block)
+        out["tau_sample"] = out["sample"]["tau"]
+    return out
+
+
+def evaluate(target_dir: Path, draft_dir: Path, suites: dict[str, list[dict]], cfg: EvalConfig,
+             sampling: SamplingConfig, device: torch.device | None = None) -> tuple[dict, list[dict]]:
+    """The full report {protocol, suites: {name: metrics}} and one row per (suite, prompt, turn)."""
+    sess = Session(target_dir, draft_dir, cfg, sampling, device)
+    report, all_rows = {"protocol": sess.protocol(), "suites": {}}, []
+    for name, prompts in suites.items():
+        rows = []
+        for i, p in enumerate(tqdm(prompts, desc=f"eval {name}", unit="prompt", dynamic_ncols=True)):
+            rows.extend(sess.ask(p, seed=sampling.seed + i))
+        if not rows:
+            raise PromptError(f"suite {name}: no prompts")
+        report["suites"][name] = suite_metrics(rows, sess.block, sess.do_sample)
+        all_rows.extend({"suite": name, **{k: v for k, v in r.items() if k != "_results"}} for r in rows)
+    return report, all_rows
+
+
+def compact_metrics(report: dict) -> dict:
+    """metrics.json: a few flat keys per suite (the columns of `dvc exp show`) and the protocol."""
+    keys = ("tau", "tau_sample", "speedup", "greedy_match", "prompts", "turns")
+    out = {name: {k: m[k] for k in keys if k in m} for name, m in report["suites"].items()}
+    return out | {"protocol": report["protocol"]}
+
+
+def plot_rows(report: dict) -> list[dict]:
+    """Rows of the per-suite bar chart (dvc.yaml `plots`)."""
+    rows = []
+    for name, m in report["suites"].items():
+        rows.append({"suite": name, "decoding": "greedy", "tau": m["tau"]})
+        if "tau_sample" in m:
+            rows.append({"suite": name, "decoding": "sampled", "tau": m["tau_sample"]})
+    return rows

@@ -13,6 +13,12 @@ given the earlier ones; their running product is the predicted acceptance of the
 `confidence_threshold` > 0 the block is cut before the first slot whose prefix prediction falls
 below it (fewer wasted verify positions; the output is unchanged). Every round keeps the prefix
 predictions of the slots it verified, so the head's calibration can be measured against outcomes.
+
+The decoder owns the target, its cache and the verify/accept step; a *drafter* only proposes:
+`propose(feats, positions, cur, cur_pos, warp, gen)` gets the target's features of the tokens
+committed since its last call (at `positions`) and the current token, and returns a `Proposal` (k
+tokens, their distributions under the same warp, optional confidences). `BlockDrafter` is the
+DSpark/DFlash one (one parallel block); a chain drafter (EAGLE-3) plugs in the same way.
 """
 from __future__ import annotations
 
@@ -26,16 +32,24 @@ from deepspec.config import SamplingConfig
 from deepspec.models.capture import capture_layers
 
 
+FILTER_ORDER = ("temperature", "top_k", "top_p", "min_p")
+
+
 @dataclass
 class Warp:
-    """Temperature / top-k / top-p, applied identically to target and draft distributions."""
+    """The sampling filters, applied identically to target and draft distributions, in the order
+    of transformers' generate and sglang's sampler (`FILTER_ORDER`): logits / temperature, keep the
+    top_k logits, softmax, keep the smallest set of tokens reaching top_p and renormalise, then drop
+    tokens below min_p x the largest probability and renormalise (vLLM applies min_p before
+    top-k/top-p instead; see docs/eval.md)."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
 
     @classmethod
     def from_sampling(cls, s: SamplingConfig, greedy: bool) -> "Warp":
-        return cls() if greedy else cls(s.temperature, s.top_k, s.top_p)
+        return cls() if greedy else cls(s.temperature, s.top_k, s.top_p, s.min_p)
 
     @property
     def greedy(self) -> bool:
@@ -55,6 +69,9 @@ class Warp:
             cut = sorted_p.cumsum(-1) - sorted_p > self.top_p  # keep the smallest set reaching top_p
             sorted_p = sorted_p.masked_fill(cut, 0.0)
             probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+            probs = probs / probs.sum(-1, keepdim=True)
+        if self.min_p > 0.0:  # the most likely token always survives, so renormalising is safe
+            probs = probs.masked_fill(probs < self.min_p * probs.amax(-1, keepdim=True), 0.0)
             probs = probs / probs.sum(-1, keepdim=True)
         return probs
 
@@ -89,17 +106,63 @@ class Result:
 
 
 
+@dataclass
+class Proposal:
+    tokens: list[int]
+    q: torch.Tensor                         # [len(tokens), V]: each token's proposal distribution (same warp)
+    confidence: list[float] | None = None   # predicted prefix acceptance per slot (a confidence head)
+
+
+class BlockDrafter:
+    """DSpark / DFlash: one block of γ slots anchored at the current token, decoded in parallel
+    (sequential only through the Markov head's previous token). Its context is the target's
+    features of every committed token, kept in the draft's own KV cache."""
+
+    def __init__(self, draft, device: torch.device | str = "cpu"):
+        self.draft = draft.eval()
+        self.device = torch.device(device)
+        self.target_layers = list(draft.config.target_layers)
+        self.cache = DynamicCache()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache()
+
+    @torch.no_grad()
+    def propose(self, feats: torch.Tensor, positions: torch.Tensor, cur: int, cur_pos: int, warp: "Warp",
+                gen: torch.Generator | None) -> Proposal:
+        d = self.draft
+        ctx = d.context(feats.to(d.fc.weight.dtype))[None]
+        h = d.block_states(torch.tensor([[cur]], device=self.device), torch.tensor([[cur_pos]], device=self.device),
+                           ctx, positions[None], mask=None, cache=self.cache)[0, 0]     # [γ, H]
+        base = d.lm_head(h).float()
+        tokens, qs, conf, prev = [], [], [], cur
+        for k in range(d.config.block_size):
+            prev_t = torch.tensor([prev], device=self.device)
+            bias = d.markov_bias(prev_t)
+            q = warp.probs(base[k] + (bias[0].float() if bias is not None else 0.0))
+            c = d.confidence(h[k:k + 1], prev_t)
+            if c is not None:
+                conf.append(float(torch.sigmoid(c[0])))
+            tok = warp.sample(q, gen)
+            tokens.append(tok)
+            qs.append(q)
+            prev = tok
+        return Proposal(tokens, torch.stack(qs), torch.tensor(conf).cumprod(0).tolist() if conf else None)
+
+
 class SpecDecoder:
+    """Verify/accept for any drafter; a draft model (DSpark/DFlash) is wrapped in a BlockDrafter."""
+
     def __init__(self, target, draft, stop_ids: set[int], device: torch.device | str = "cpu",
                  confidence_threshold: float = 0.0):
         if not 0.0 <= confidence_threshold <= 1.0:
             raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
         self.confidence_threshold = confidence_threshold
         self.target = target.eval()
-        self.draft = draft.eval()
-        self.stop_ids = set(stop_ids)
         self.device = torch.device(device)
-        self.layers = list(draft.config.target_layers)
+        self.drafter = draft if hasattr(draft, "propose") else BlockDrafter(draft, self.device)
+        self.stop_ids = set(stop_ids)
+        self.layers = list(self.drafter.target_layers)
 
     # ---- target -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -128,37 +191,12 @@ class SpecDecoder:
             logits, _ = self._target([tok], cache, capture=False)
         return Result(out, time.perf_counter() - t0)
 
-    # ---- speculative decoding ------------------------------------------------------------------
-    @torch.no_grad()
-    def _propose(self, dcache: DynamicCache, ctx_new: torch.Tensor, ctx_pos: torch.Tensor, cur: int, cur_pos: int,
-                 warp: Warp, gen) -> tuple[list[int], torch.Tensor, list[float] | None]:
-        """γ draft tokens, their proposal distributions, and the predicted prefix acceptances."""
-        d = self.draft
-        dtype = d.fc.weight.dtype
-        ctx = d.context(ctx_new.to(dtype))[None]
-        h = d.block_states(torch.tensor([[cur]], device=self.device), torch.tensor([[cur_pos]], device=self.device),
-                           ctx, ctx_pos[None], mask=None, cache=dcache)[0, 0]     # [γ, H]
-        base = d.lm_head(h).float()
-        tokens, qs, conf, prev = [], [], [], cur
-        for k in range(d.config.block_size):  # sequential only through the Markov head's previous token
-            prev_t = torch.tensor([prev], device=self.device)
-            bias = d.markov_bias(prev_t)
-            q = warp.probs(base[k] + (bias[0].float() if bias is not None else 0.0))
-            c = d.confidence(h[k:k + 1], prev_t)
-            if c is not None:
-                conf.append(float(torch.sigmoid(c[0])))
-            tok = warp.sample(q, gen)
-            tokens.append(tok)
-            qs.append(q)
-            prev = tok
-        prefix = torch.tensor(conf).cumprod(0).tolist() if conf else None
-        return tokens, torch.stack(qs), prefix
-
     @torch.no_grad()
     def speculative(self, prompt: list[int], max_new: int, warp: Warp, seed: int = 0) -> Result:
         gen = torch.Generator().manual_seed(seed)
         t0 = time.perf_counter()
-        tcache, dcache = DynamicCache(), DynamicCache()
+        tcache = DynamicCache()
+        self.drafter.reset()
         logits, feats = self._target(prompt, tcache, capture=True)
         cur = warp.sample(warp.probs(logits[-1]), gen)
         out = [cur]
@@ -167,7 +205,8 @@ class SpecDecoder:
         result = Result(out, 0.0)
         while cur not in self.stop_ids and len(out) < max_new:
             cur_pos = len(prompt) + len(out) - 1
-            drafts, q, prefix = self._propose(dcache, ctx_new, ctx_pos, cur, cur_pos, warp, gen)
+            prop = self.drafter.propose(ctx_new, ctx_pos, cur, cur_pos, warp, gen)
+            drafts, q, prefix = prop.tokens, prop.q, prop.confidence
             if prefix is not None and self.confidence_threshold > 0:
                 drafts = drafts[:next((i for i, c in enumerate(prefix) if c < self.confidence_threshold), len(prefix))]
             drafts = drafts[:max_new - len(out)]  # never verify past the token budget

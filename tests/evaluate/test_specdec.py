@@ -1,16 +1,15 @@
 """Speculative decoding: lossless greedy, distribution-preserving sampling, metrics that can fail."""
 import collections
-import json
 
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from deepspec.config import EvalConfig, SamplingConfig
 from deepspec.data.template import encode_prompt
-from deepspec.evaluate.run import PromptError, auroc, confidence_metrics, evaluate, load_prompts, round_metrics
-from deepspec.evaluate.specdec import Result, Round, SpecDecoder, Warp
+from deepspec.evaluate.run import auroc, confidence_metrics, round_metrics
+from deepspec.config import SamplingConfig
+from deepspec.evaluate.specdec import BlockDrafter, Result, Round, SpecDecoder, Warp
 from deepspec.models.draft import DraftConfig, DraftModel
 from tests.conftest import SAMPLE_CONVERSATIONS
 
@@ -123,7 +122,8 @@ def chi_square_pvalue(counts: dict, expected: dict) -> float:
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-@pytest.mark.parametrize("warp", [Warp(temperature=1.0), Warp(temperature=0.8, top_k=5, top_p=0.9)])
+@pytest.mark.parametrize("warp", [Warp(temperature=1.0), Warp(temperature=0.8, top_k=5, top_p=0.9),
+                                  Warp(temperature=0.9, top_k=6, top_p=0.95, min_p=0.15)])
 def test_speculative_sampling_preserves_the_target_distribution(warp):
     """The joint law of the first three generated tokens, speculative vs the target's own (exact)."""
     target = tiny_lm()
@@ -154,29 +154,45 @@ def test_speculative_sampling_preserves_the_target_distribution(warp):
     assert any(r and r[0].accepted < r[0].proposed for r in rounds)
 
 
-def test_prompts_file_errors_name_the_line(tmp_path):
-    f = tmp_path / "p.jsonl"
-    f.write_text('{"turns": ["hi"]}\n{"turns": []}\n')
-    with pytest.raises(PromptError, match=r"p.jsonl:2: field 'turns'"):
-        load_prompts(f, 10)
-    f.write_text('{"turns": ["a"], "task": "x"}\n{"turns": ["b"], "task": "y"}\n{"turns": ["c"], "task": "x"}\n')
-    assert [p["prompt"] for p in load_prompts(f, 10)] == ["a", "b", "c"]
-    assert [p["task"] for p in load_prompts(f, 2)] == ["x", "y"]  # a prefix covers every task
-    f.write_text('{"turns": ["Hi  there"], "id": "1"}\n{"turns": ["hi there", "more"], "id": "2"}\n'
-                 '{"turns": ["hi there"], "system": "Be brief.", "id": "3"}\n')
-    assert [p["id"] for p in load_prompts(f, 10)] == ["1", "3"]  # a repeated prompt counts once
+@pytest.mark.parametrize("warp", [Warp(0.8, 5, 0.9), Warp(0.7, 20, 0.8, 0.05), Warp(1.3, 0, 0.95, 0.1),
+                                  Warp(0.6, 3, 1.0, 0.3), Warp(1.0, 0, 1.0, 0.2), Warp(0.5, 8, 0.7, 0.02)])
+def test_warp_is_transformers_filter_chain(warp):
+    """temperature -> top-k -> top-p -> min-p, exactly as transformers' generate (and sglang) apply them."""
+    from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    chain = LogitsProcessorList([TemperatureLogitsWarper(warp.temperature)]
+                                + ([TopKLogitsWarper(warp.top_k)] if warp.top_k else [])
+                                + ([TopPLogitsWarper(warp.top_p)] if warp.top_p < 1 else [])
+                                + ([MinPLogitsWarper(warp.min_p)] if warp.min_p else []))
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0)) * 3
+    torch.testing.assert_close(warp.probs(logits), chain(None, logits.clone()).softmax(-1), atol=1e-6, rtol=1e-5)
 
 
-def test_evaluate_writes_reference_metrics(tmp_path, trained_target):
-    target = AutoModelForCausalLM.from_pretrained(trained_target)
-    draft = random_draft(target, [0, 2])
-    draft.config.target = json.loads((trained_target / "identity.json").read_text())
-    draft.save(tmp_path / "draft")
-    f = tmp_path / "eval.jsonl"
-    f.write_text("".join(json.dumps({"id": str(i), "task": "math", "turns": [c[0]["content"]]}) + "\n"
-                         for i, c in enumerate(SAMPLE_CONVERSATIONS[:5])))
-    metrics, rows = evaluate(trained_target, tmp_path / "draft", load_prompts(f, 5),
-                             EvalConfig(max_new_tokens=12), SamplingConfig(temperature=0.7))
-    assert metrics["greedy"]["greedy_match"] == 1.0 and len(rows) == 5
-    assert set(metrics["per_task"]) == {"math"} and "tau_sample" in metrics
-    assert metrics["greedy"]["plain_tokens_per_s"] > 0 and metrics["speedup"] > 0
+def test_min_p_comes_after_top_p():
+    """The order matters: min-p first (vLLM) would let top-p keep two tokens here, not three."""
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    probs = Warp(temperature=1.0, top_p=0.8, min_p=0.25).probs(p.log())
+    assert (probs > 0).tolist() == [True, True, True, False, False]
+    torch.testing.assert_close(probs[:3], p[:3] / p[:3].sum())
+    assert Warp.from_sampling(SamplingConfig(min_p=0.25), greedy=False).min_p == 0.25
+
+
+def test_the_draft_proposes_under_the_same_filters():
+    class Recording(BlockDrafter):
+        def propose(self, *args):
+            prop = super().propose(*args)
+            self.seen.append(prop)
+            return prop
+
+    target = tiny_lm(vocab=32)
+    drafter = Recording(random_draft(target, [0, 1], block=3, seed=2, markov=4))
+    drafter.seen = []
+    warp = Warp(temperature=1.5, top_k=12, top_p=0.97, min_p=0.3)
+    for s in range(5):
+        SpecDecoder(target, drafter, set()).speculative([1, 2, 3], 12, warp, seed=s)
+    q = torch.cat([p.q for p in drafter.seen])
+    assert len(q) >= 10 and torch.allclose(q.sum(-1), torch.ones(len(q)))
+    kept = q > 0
+    assert (q.masked_fill(~kept, 1.0) >= 0.3 * q.amax(-1, keepdim=True) - 1e-6).all()  # min-p held on the draft
+    assert kept.sum(-1).max() <= 12 and (kept.sum(-1) < 12).any()
+    assert all(p.q[i, t] > 0 for p in drafter.seen for i, t in enumerate(p.tokens))
