@@ -1,7 +1,7 @@
 """Speculative decoding with a target and a block draft, and plain decoding for comparison.
 
-Both keep transformers `DynamicCache`s. A round: the draft proposes γ tokens from one block
-anchored at the current token (its context is the target's features of every committed token
+Both keep transformers `DynamicCache`s. A round: the draft proposes its drafts (γ, or γ-1 in the
+dflash slot layout) from one block anchored at the current token (its context is the target's features of every committed token
 before it); the target scores [current, d1..dγ] in one forward; greedy accepts the longest prefix
 that matches the target's argmax, sampling accepts d_i with probability min(1, p/q) and on the
 first rejection resamples from norm(max(0, p - q)); either way the round adds one token from the
@@ -132,15 +132,17 @@ class SpecDecoder:
     @torch.no_grad()
     def _propose(self, dcache: DynamicCache, ctx_new: torch.Tensor, ctx_pos: torch.Tensor, cur: int, cur_pos: int,
                  warp: Warp, gen) -> tuple[list[int], torch.Tensor, list[float] | None]:
-        """γ draft tokens, their proposal distributions, and the predicted prefix acceptances."""
+        """The block's draft tokens (γ, or γ-1 in the dflash layout: the draft's own slot convention),
+        their proposal distributions, and the predicted prefix acceptances."""
         d = self.draft
         dtype = d.fc.weight.dtype
         ctx = d.context(ctx_new.to(dtype))[None]
-        h = d.block_states(torch.tensor([[cur]], device=self.device), torch.tensor([[cur_pos]], device=self.device),
-                           ctx, ctx_pos[None], mask=None, cache=dcache)[0, 0]     # [γ, H]
+        h = d.drafts(d.block_states(torch.tensor([[cur]], device=self.device),
+                                    torch.tensor([[cur_pos]], device=self.device),
+                                    ctx, ctx_pos[None], mask=None, cache=dcache)[0, 0])   # [num_drafts, H]
         base = d.lm_head(h).float()
         tokens, qs, conf, prev = [], [], [], cur
-        for k in range(d.config.block_size):  # sequential only through the Markov head's previous token
+        for k in range(d.config.num_drafts):  # sequential only through the Markov head's previous token
             prev_t = torch.tensor([prev], device=self.device)
             bias = d.markov_bias(prev_t)
             q = warp.probs(base[k] + (bias[0].float() if bias is not None else 0.0))
