@@ -2,6 +2,9 @@
 gives deepspec's logits on the same tokens; the library reads its target features from the target's
 `output_hidden_states` through its own layer-id convention, so a wrong id shift fails."""
 import json
+import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -18,7 +21,7 @@ from deepspec.models.capture import capture_layers
 from deepspec.models.draft import DraftConfig, DraftModel
 from deepspec.train.loss import Anchors, block_mask
 from deepspec.train.run import run_training
-from tests.conftest import SAMPLE_CONVERSATIONS
+from tests.conftest import REPO, SAMPLE_CONVERSATIONS, make_model_dir, project_env
 
 TOL = 1e-4          # float32 on both sides: the same arithmetic up to summation order
 ANCHORS = [2, 7, 11, 16]
@@ -265,12 +268,13 @@ def test_unrepresentable_drafts_are_refused_with_the_reason(tmp_path, trained_ta
     assert not (tmp_path / "d" / "dflash").exists() and (tmp_path / "d" / "report.json").exists()
 
 
-def test_bad_input_is_refused_before_writing(tmp_path, trained_target, target, small_model_dir):
+def test_bad_input_is_refused_before_writing(tmp_path, trained_target, target):
     opinionated_draft(target, tmp_path, "dspark", True, [0, 2])
     with pytest.raises(ExportError, match="unknown export format 'vllm'"):
         export(tmp_path, trained_target, ["vllm"])
-    with pytest.raises(ExportError, match="vocab"):                       # another target's shape
-        export_draft(tmp_path / "draft", tmp_path / "x", ["speculators"], small_model_dir, str(small_model_dir))
+    wide = make_model_dir(tmp_path / "wide", hidden=48)
+    with pytest.raises(ExportError, match="width 32 .* has 48"):          # another target's shape
+        export_draft(tmp_path / "draft", tmp_path / "x", ["speculators"], wide, str(wide))
     opinionated_draft(target, tmp_path, "dspark", True, [0, 2], identity={"id": "0123456789abcdef"}, name="other")
     with pytest.raises(ExportError, match="trained against target 0123456789abcdef"):
         export(tmp_path, trained_target, ["speculators"], draft="other")
@@ -296,6 +300,33 @@ def test_cli_export(tmp_path, trained_target, target, capsys):
     assert "already exists" in capsys.readouterr().err
 
 
+def test_export_stage_writes_formats_and_the_report(tmp_path, trained_target, target):
+    import yaml
+
+    work = tmp_path / "work"
+    shutil.copytree(trained_target, work / "data" / "target")
+    ident = json.loads((trained_target / "identity.json").read_text())
+    opinionated_draft(target, work / "data", "dspark", True, [-1, 0, 2], identity=ident)
+    (work / "data" / "export" / "stale").mkdir(parents=True)       # a previous run's leftovers
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["layers"] = [-1, 0, 2]
+    (work / "params.yaml").write_text(yaml.safe_dump(params))
+    proc = subprocess.run([sys.executable, str(REPO / "stages" / "export.py")], cwd=work, env=project_env(REPO),
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"speculators": "exported", "dflash": "refused"}
+    report = json.loads((work / "data" / "export" / "report.json").read_text())
+    assert report["verifier"] == "data/target" and report["draft"]["target_id"] == ident["id"]
+    assert sorted(p.name for p in (work / "data" / "export").iterdir()) == ["report.json", "speculators"]
+    params["target"]["source"] = "hf:Qwen/Qwen3-4B@main"
+    (work / "params.yaml").write_text(yaml.safe_dump(params))
+    subprocess.run([sys.executable, str(REPO / "stages" / "export.py")], cwd=work, env=project_env(REPO),
+                   check=True, capture_output=True)
+    cfg = json.loads((work / "data" / "export" / "speculators" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "Qwen/Qwen3-4B"
+    assert cfg["dtype"] == "bfloat16"
+
+
 # ---- dflash's own speculative decoding with an exported draft ------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -309,6 +340,7 @@ def trained_dflash(tmp_path_factory, small_cache, trained_target):
     return root / "draft"
 
 
+@pytest.mark.slow  # trains a draft for 300 steps
 def test_dflash_generate_with_the_export_is_lossless_and_accepts_like_eval(tmp_path, trained_dflash,
                                                                            trained_target, monkeypatch):
     from dflash import model as dflash_model
