@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--out", required=True, help="writes OUT/<format>/ per format and OUT/report.json")
     ex.add_argument("--target", default="data/target", help="the target model directory the draft was trained on")
     ex.add_argument("--verifier", default="",
-                    help="how the exported config names the target (default: the hub id when params.yaml's "
-                         "target.source is hf:..., else --target)")
+                    help="how the exported config names the target (default: for data/target the hub id when "
+                         "params.yaml's target.source is hf:..., else --target)")
     ex.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ex.add_argument("--overwrite", action="store_true", help="replace OUT/<format>/ if it exists")
     args = parser.parse_args(argv)
@@ -81,7 +81,8 @@ def _export(args) -> int:
 
     target = Path(args.target)
     source = ""
-    if not args.verifier and Path("params.yaml").exists():
+    # the project's own target (data/target) is named as the pipeline names it: by hub id when hf:
+    if not args.verifier and args.target == "data/target" and Path("params.yaml").exists():
         try:
             source = load_params("params.yaml").target.source
         except ConfigError as e:
