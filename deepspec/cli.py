@@ -1,4 +1,4 @@
-"""`deepspec ...`: the cache tools usable outside DVC (info, verify, ls, estimate)."""
+"""`deepspec ...`: tools usable outside DVC: cache info|verify|ls|estimate, export, serve."""
 from __future__ import annotations
 
 import argparse
@@ -40,10 +40,23 @@ def main(argv: list[str] | None = None) -> int:
     sg.add_argument("--no-router", action="store_true", help="do not start the sglang router")
     sg.add_argument("--print-only", action="store_true", help="print the commands instead of running them")
     sg.add_argument("--log-dir", default="data/regen/logs")
+    ex = sub.add_parser("export", help="write a trained draft as model dirs serving engines load (docs/export.md)")
+    ex.add_argument("draft_dir", help="a deepspec draft directory (e.g. data/draft)")
+    ex.add_argument("--format", dest="formats", action="append", required=True,
+                    help="speculators | dflash (repeat for several)")
+    ex.add_argument("--out", required=True, help="writes OUT/<format>/ per format and OUT/report.json")
+    ex.add_argument("--target", default="data/target", help="the target model directory the draft was trained on")
+    ex.add_argument("--verifier", default="",
+                    help="how the exported config names the target (default: for data/target the hub id when "
+                         "params.yaml's target.source is hf:..., else --target)")
+    ex.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ex.add_argument("--overwrite", action="store_true", help="replace OUT/<format>/ if it exists")
     args = parser.parse_args(argv)
 
     if args.group == "serve":
         return _serve_sglang(args)
+    if args.group == "export":
+        return _export(args)
 
     from deepspec.cache import estimate, verify
 
@@ -62,6 +75,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(out, indent=2))
+    return 0
+
+
+def _export(args) -> int:
+    from pathlib import Path
+
+    from deepspec.config import ConfigError, load_params
+    from deepspec.export import ExportError, export_draft, verifier_reference
+
+    target = Path(args.target)
+    source = ""
+    # the project's own target (data/target) is named as the pipeline names it: by hub id when hf:
+    if not args.verifier and args.target == "data/target" and Path("params.yaml").exists():
+        try:
+            source = load_params("params.yaml").target.source
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    try:
+        report = export_draft(Path(args.draft_dir), Path(args.out), args.formats, target,
+                              verifier_reference(source, target, args.verifier), args.dtype, args.overwrite)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report["formats"], indent=2))
     return 0
 
 

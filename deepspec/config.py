@@ -117,6 +117,14 @@ class TrainConfig:
     block_size: int = _f(4, ge=2)
     draft_layers: int = _f(1, ge=1)
     markov_rank: int = _f(64, ge=1)
+    # mask slots = the target's embedding row of this reserved token (frozen), as speculators and dflash
+    # build them; null = the target tokenizer's mask token, else its first unused embedding row;
+    # -1 = a learned mask vector instead (no serving engine can load that: export refuses it)
+    mask_token_id: int | None = _f(None, ge=-1)
+    # true: slot k predicts token a+k+1 (γ drafts; DSpark's convention); false: slot 0's output is
+    # unused and slot k predicts token a+k (γ-1 drafts; the dflash package's layout); null = the
+    # algorithm's default (dspark: true, dflash: false), as in speculators
+    sample_from_anchor: bool | None = None
     anchors_per_sample: int = _f(16, ge=1)
     batch_size: int = _f(8, ge=1)
     grad_accum: int = _f(1, ge=1)
@@ -181,6 +189,20 @@ def suite_name(source: str) -> str:
     return Path(source).stem if source.endswith(".jsonl") else source
 
 
+EXPORT_FORMATS = ("speculators", "dflash")
+
+
+@dataclass
+class ExportConfig:
+    formats: list[Literal["speculators", "dflash"]] = _f(factory=lambda: list(EXPORT_FORMATS))
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    verifier: str = ""        # "" = the hub id for hf: targets, the target model directory otherwise
+
+    def __post_init__(self) -> None:
+        if len(set(self.formats)) != len(self.formats):
+            raise ConfigError(f"formats: listed twice in {self.formats}")
+
+
 @dataclass
 class Params:
     layers: list[int] = _f(factory=lambda: [1, 9, 17, 25, 33])
@@ -191,6 +213,7 @@ class Params:
     cache: CacheConfig = field(default_factory=CacheConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
     def __post_init__(self) -> None:
         if not self.layers:

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deepspec.config import ConfigError, load_params, params_from_dict
+from deepspec.config import ConfigError, ExportConfig, load_params, params_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -13,6 +13,9 @@ def test_repo_params_load_with_reference_layers():
     assert p.layers == [1, 9, 17, 25, 33]
     assert p.train_layers == p.layers
     assert p.sampling.max_tokens > 0
+    # the export section and the new train keys: params.yaml states the dataclass defaults
+    assert p.export == ExportConfig() and p.export.formats == ["speculators", "dflash"]
+    assert (p.train.mask_token_id, p.train.sample_from_anchor) == (None, None)
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -29,6 +32,10 @@ def test_repo_params_load_with_reference_layers():
     ({"target": {"tiny": {"num_layers": 1}}}, "target.tiny.num_layers: must be >= 2, got 1"),
     ({"train": {"layers": [9, 40]}}, "train.layers: [40] are not cached"),
     ({"split": 3}, "split: expected a mapping, got 3"),
+    ({"train": {"mask_token_id": -2}}, "train.mask_token_id: must be >= -1, got -2"),
+    ({"train": {"sample_from_anchor": "yes"}}, "train.sample_from_anchor: expected true/false, got 'yes'"),
+    ({"export": {"formats": ["vllm"]}}, "export.formats[0]: 'vllm' is not one of"),
+    ({"export": {"formats": ["dflash", "dflash"]}}, "export.formats: listed twice"),
 ])
 def test_bad_params_name_key_and_value(raw, message):
     with pytest.raises(ConfigError) as e:

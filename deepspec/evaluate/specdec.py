@@ -1,8 +1,8 @@
 """Speculative decoding with a target and a block draft, and plain decoding for comparison.
 
-Both keep transformers `DynamicCache`s. A round: the draft proposes γ tokens from one block
-anchored at the current token (its context is the target's features of every committed token
-before it); the target scores [current, d1..dγ] in one forward; greedy accepts the longest prefix
+Both keep transformers `DynamicCache`s. A round: the draft proposes its drafts (γ, or γ-1 in the
+dflash slot layout) from one block anchored at the current token (its context is the target's
+features of every committed token before it); the target scores [current, d1..dγ] in one forward; greedy accepts the longest prefix
 that matches the target's argmax, sampling accepts d_i with probability min(1, p/q) and on the
 first rejection resamples from norm(max(0, p - q)); either way the round adds one token from the
 target (correction or bonus). The target cache is cropped back to the committed tokens.
@@ -114,9 +114,9 @@ class Proposal:
 
 
 class BlockDrafter:
-    """DSpark / DFlash: one block of γ slots anchored at the current token, decoded in parallel
-    (sequential only through the Markov head's previous token). Its context is the target's
-    features of every committed token, kept in the draft's own KV cache."""
+    """DSpark / DFlash: one block of γ slots (γ-1 drafts in the dflash layout) anchored at the
+    current token, decoded in parallel (sequential only through the Markov head's previous token).
+    Its context is the target's features of every committed token, kept in the draft's own KV cache."""
 
     def __init__(self, draft, device: torch.device | str = "cpu"):
         self.draft = draft.eval()
@@ -132,11 +132,12 @@ class BlockDrafter:
                 gen: torch.Generator | None) -> Proposal:
         d = self.draft
         ctx = d.context(feats.to(d.fc.weight.dtype))[None]
-        h = d.block_states(torch.tensor([[cur]], device=self.device), torch.tensor([[cur_pos]], device=self.device),
-                           ctx, positions[None], mask=None, cache=self.cache)[0, 0]     # [γ, H]
+        h = d.drafts(d.block_states(torch.tensor([[cur]], device=self.device),
+                                    torch.tensor([[cur_pos]], device=self.device),
+                                    ctx, positions[None], mask=None, cache=self.cache)[0, 0])   # [num_drafts, H]
         base = d.lm_head(h).float()
         tokens, qs, conf, prev = [], [], [], cur
-        for k in range(d.config.block_size):
+        for k in range(d.config.num_drafts):  # sequential only through the Markov head's previous token
             prev_t = torch.tensor([prev], device=self.device)
             bias = d.markov_bias(prev_t)
             q = warp.probs(base[k] + (bias[0].float() if bias is not None else 0.0))

@@ -1,19 +1,24 @@
 """DSpark / DFlash draft models: block drafting from the target's hidden states.
 
 The draft fuses the target's features at `target_layers` (concatenated per token) through a linear
-projection and an RMSNorm into one context vector per position. A block of `block_size` slots
-starts at an anchor position a: slot 0 holds the anchor token, the other slots a learned mask
-embedding; slot k sits at position a+k and predicts token a+k+1. Each draft layer attends, from the
-block, to the context keys strictly before the anchor and to its whole block (both directions);
-context and block keys share the layer's projections. DSpark adds a low-rank Markov head (a bias
-on the logits from the previous token) and a confidence head (predicts each slot's acceptance
-probability); DFlash is the same model without both heads.
+projection and an RMSNorm into one context vector per position. A block of `block_size` (γ) slots
+starts at an anchor position a: slot 0 holds the anchor token, the other slots the mask embedding,
+and slot k sits at position a+k. Two slot conventions (speculators' `sample_from_anchor`):
+  true   slot k predicts token a+k+1: γ drafts per block (DSpark's default, the reference's);
+  false  slot 0's output is unused and slot k predicts the token at its own position a+k:
+         γ-1 drafts per block (the dflash package's layout, which sglang serves).
+Either way draft j (0-based) predicts token a+j+1 from slot j + `draft_offset`. Each draft layer
+attends, from the block, to the context keys strictly before the anchor and to its whole block (both
+directions); context and block keys share the layer's projections. DSpark adds a low-rank Markov head
+(a bias on the logits from the previous token) and a confidence head (predicts each draft's
+acceptance probability); DFlash is the same model without both heads.
 
 Built from transformers' Qwen3 blocks (attention projections + q/k norms, MLP, RMSNorm, RoPE);
 attention runs through SDPA with an explicit boolean mask. Embeddings and lm_head are copies of
-the target's and stay frozen. One deliberate difference from the reference: the mask slots use a
-learned embedding vector instead of an unused (untrained) row of the target's vocabulary, so any
-target works without a reserved token id.
+the target's and stay frozen. The mask slots are the target's embedding row of a reserved token
+(`mask_token_id`, frozen), as speculators and dflash build them, so the served draft sees exactly
+what it was trained on; `mask_token_id = -1` keeps a learned mask vector instead (no engine can
+load that).
 """
 from __future__ import annotations
 
@@ -49,15 +54,31 @@ class DraftConfig:
     max_position_embeddings: int = 32768
     markov_rank: int = 64           # 0 disables the Markov head (dflash)
     confidence: bool = True         # False disables the confidence head (dflash)
+    mask_token_id: int = -1         # reserved target token whose embedding fills the mask slots; -1 = learned
+    mask_token: str = ""            # that token's text (what engines that look it up by name need)
+    sample_from_anchor: bool = True # see the module doc: slot k predicts a+k+1 (true) or a+k (false)
     target: dict = field(default_factory=dict)  # identity of the target the draft was trained on
     format_version: int = DRAFT_FORMAT_VERSION
 
+    @property
+    def draft_offset(self) -> int:
+        """The slot that holds draft 0: 0 when the anchor slot drafts, 1 when its output is unused."""
+        return 0 if self.sample_from_anchor else 1
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens one block proposes."""
+        return self.block_size - self.draft_offset
+
     @classmethod
     def for_target(cls, algorithm: str, target_config, target_layers: list[int], block_size: int,
-                   num_layers: int, markov_rank: int, identity: dict) -> "DraftConfig":
+                   num_layers: int, markov_rank: int, identity: dict, mask_token_id: int = -1,
+                   mask_token: str = "", sample_from_anchor: bool = True) -> "DraftConfig":
         """Draft layers take the target's own dimensions (as the reference does)."""
         tc = target_config
         dspark = algorithm == "dspark"
+        if not -1 <= mask_token_id < tc.vocab_size:
+            raise ValueError(f"mask_token_id {mask_token_id} is not a token of the target (vocab {tc.vocab_size})")
         return cls(algorithm=algorithm, target_layers=list(target_layers), target_hidden_size=tc.hidden_size,
                    vocab_size=tc.vocab_size, block_size=block_size, num_layers=num_layers,
                    hidden_size=tc.hidden_size, num_heads=tc.num_attention_heads,
@@ -66,7 +87,9 @@ class DraftConfig:
                    intermediate_size=tc.intermediate_size, rms_norm_eps=tc.rms_norm_eps,
                    rope_theta=float(getattr(tc, "rope_theta", None) or
                                     (getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
-                   markov_rank=markov_rank if dspark else 0, confidence=dspark, target=identity)
+                   markov_rank=markov_rank if dspark else 0, confidence=dspark, mask_token_id=mask_token_id,
+                   mask_token=mask_token if mask_token_id >= 0 else "", sample_from_anchor=sample_from_anchor,
+                   target=identity)
 
     def qwen3(self) -> Qwen3Config:
         return Qwen3Config(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
@@ -126,7 +149,8 @@ class DraftModel(nn.Module):
         self.lm_head = nn.Linear(H, V, bias=False)
         self.fc = nn.Linear(config.target_hidden_size * len(config.target_layers), H, bias=False)
         self.hidden_norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
-        self.mask_embedding = nn.Parameter(torch.zeros(H))
+        # only a learned mask has its own parameter; a token's row is read from the frozen embeddings
+        self.mask_embedding = nn.Parameter(torch.zeros(H)) if config.mask_token_id < 0 else None
         self.layers = nn.ModuleList(DraftLayer(qc, i) for i in range(config.num_layers))
         self.norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
         self.rotary = Qwen3RotaryEmbedding(qc)
@@ -141,7 +165,8 @@ class DraftModel(nn.Module):
             if name in self.FROZEN or p.ndim < 2:
                 continue
             nn.init.normal_(p, std=0.02)
-        nn.init.normal_(self.mask_embedding, std=0.02)
+        if self.mask_embedding is not None:
+            nn.init.normal_(self.mask_embedding, std=0.02)
         if self.markov_out is not None:
             nn.init.zeros_(self.markov_out.weight)  # start as "no bias": the Markov head learns a correction
 
@@ -163,10 +188,11 @@ class DraftModel(nn.Module):
 
     def block_states(self, anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, ctx: torch.Tensor,
                      ctx_pos: torch.Tensor, mask: torch.Tensor | None, cache=None) -> torch.Tensor:
-        """anchor_tokens/anchor_pos: [B, N]; ctx: [B, S, H]; ctx_pos: [B, S] -> [B, N, γ, H]."""
+        """anchor_tokens/anchor_pos: [B, N]; ctx: [B, S, H]; ctx_pos: [B, S] -> [B, N, γ, H] (every slot;
+        `drafts()` picks the ones that draft)."""
         B, N = anchor_tokens.shape
         g = self.config.block_size
-        slots = self.mask_embedding.to(ctx.dtype).expand(B, N, g, -1).clone()
+        slots = self.mask_vector().to(ctx.dtype).expand(B, N, g, -1).clone()
         slots[:, :, 0] = self.embed_tokens(anchor_tokens).to(ctx.dtype)
         h = slots.reshape(B, N * g, -1)
         blk_pos = (anchor_pos[:, :, None] + torch.arange(g, device=ctx.device)).reshape(B, N * g)
@@ -175,6 +201,15 @@ class DraftModel(nn.Module):
         for layer in self.layers:
             h = layer(h, ctx, rope_ctx, rope_blk, mask, cache)
         return self.norm(h).view(B, N, g, -1)
+
+    def mask_vector(self) -> torch.Tensor:
+        if self.mask_embedding is not None:
+            return self.mask_embedding
+        return self.embed_tokens.weight[self.config.mask_token_id]
+
+    def drafts(self, h: torch.Tensor) -> torch.Tensor:
+        """[.., γ, H] block states -> [.., num_drafts, H]: draft j's state (it predicts token a+j+1)."""
+        return h[..., self.config.draft_offset:, :]
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor | None:
         return None if self.markov_in is None else self.markov_out(self.markov_in(prev))

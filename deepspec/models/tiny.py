@@ -1,7 +1,8 @@
 """`builtin:tiny`: a real Qwen3-architecture target built here, offline, from a seed.
 
 A byte-level BPE tokenizer (Qwen2 pre-tokenizer regex, ChatML specials, a Qwen-style template that
-injects no system prompt) and a 36-layer narrow Qwen3 LM trained on the split's train
+injects no system prompt, and a reserved `<|MASK|>` token that never occurs in text: block drafts fill
+their mask slots with its embedding row, as the serving engines' DFlash/DSpark loaders do) and a 36-layer narrow Qwen3 LM trained on the split's train
 conversations: full weight on assistant tokens (what the draft will have to predict), a smaller
 weight on the rest (plain next-token pretraining), packed into fixed-length rows.
 """
@@ -26,7 +27,9 @@ from deepspec.models.target import default_generation_config
 
 log = logging.getLogger(__name__)
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# <|MASK|> is the name speculators and sglang add to a tokenizer that has no mask token (their default)
+MASK_TOKEN = "<|MASK|>"
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", MASK_TOKEN]
 # Qwen2/Qwen3 pre-tokenizer: digits split one by one, which helps a tiny model with arithmetic.
 QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -56,7 +59,8 @@ def build_tokenizer(texts: list[str], vocab_size: int):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                 extra_special_tokens=["<|im_start|>"], model_max_length=32768)
+                                 mask_token=MASK_TOKEN, extra_special_tokens=["<|im_start|>"],
+                                 model_max_length=32768)
     hf.chat_template = CHAT_TEMPLATE
     return hf
 

@@ -2,15 +2,17 @@
 
 Anchors: up to `num_anchors` positions per sample with loss on the anchor and on its next token,
 drawn uniformly without replacement from a generator the caller seeds (so a resumed run draws the
-same anchors). Slot k of the block at anchor a predicts token a+k+1; a slot counts only while all
-earlier slots' labels are supervised (the reference's cumulative "eval mask"). Slot weights decay
-as exp(-k / decay_gamma).
+same anchors). Draft j of the block at anchor a predicts token a+j+1 (j = 0 .. num_drafts-1); it
+reads slot j + draft_offset, which is slot j itself under `sample_from_anchor` and slot j+1 in the
+dflash layout (slot 0's output unused): the loss follows the draft's convention. A draft counts
+only while all earlier drafts' labels are supervised (the reference's cumulative "eval mask").
+Draft weights decay as exp(-j / decay_gamma).
 
     loss = ce_w * CE(draft, data token) + l1_w * |p_draft - p_target|_1 + conf_w * BCE(conf, alpha)
 
-with p_target = softmax(lm_head(last_hidden[a+k])) (the frozen head over the cached post-norm
-state, computed only at the supervised slots) and alpha = 1 - L1/2 = sum(min(p_draft, p_target)),
-the probability that slot k's draft token is accepted.
+with p_target = softmax(lm_head(last_hidden[a+j])) (the frozen head over the cached post-norm
+state, computed only at the supervised drafts) and alpha = 1 - L1/2 = sum(min(p_draft, p_target)),
+the probability that draft j is accepted.
 """
 from __future__ import annotations
 
@@ -87,7 +89,8 @@ class LossOutput:
 
 
 def _labels(batch: dict, anchors: Anchors, block: int):
-    """label positions [B, N, γ] and the cumulative "every slot so far is supervised" mask."""
+    """label positions [B, N, D] for D = `block` drafts, and the cumulative "every draft so far is
+    supervised" mask."""
     ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     lengths = batch["lengths"].to(ids.device)
     B, T = ids.shape
@@ -101,8 +104,10 @@ def _labels(batch: dict, anchors: Anchors, block: int):
     return label_pos, valid
 
 
-def slot_weights(batch: dict, anchors: Anchors, block: int, decay_gamma: float) -> torch.Tensor:
-    _, valid = _labels(batch, anchors, block)
+def slot_weights(batch: dict, anchors: Anchors, drafts: int, decay_gamma: float) -> torch.Tensor:
+    """[B, N, D] loss weight of each draft (`drafts` = the draft's num_drafts)."""
+    _, valid = _labels(batch, anchors, drafts)
+    block = drafts
     k = torch.arange(block, device=valid.device)
     return valid.float() * torch.exp(-k.float() / decay_gamma)[None, None, :]
 
@@ -113,6 +118,7 @@ def draft_loss(model, batch: dict, anchors: Anchors, ce_w: float, l1_w: float, c
     global batch's sum, so micro-batches and ranks add up to one big batch)."""
     cfg = model.config
     g = cfg.block_size
+    d = cfg.num_drafts
     ids, lengths = batch["input_ids"], batch["lengths"].to(batch["input_ids"].device)
     B, T = ids.shape
     dtype = model.fc.weight.dtype
@@ -121,21 +127,21 @@ def draft_loss(model, batch: dict, anchors: Anchors, ce_w: float, l1_w: float, c
     ctx_pos = torch.arange(T, device=ids.device)[None].expand(B, T)
     mask = block_mask(anchors, lengths, T, g)
     anchor_tok = torch.gather(ids, 1, anchors.pos)
-    h = model.block_states(anchor_tok, anchors.pos, ctx, ctx_pos, mask)          # [B, N, γ, H]
+    h = model.drafts(model.block_states(anchor_tok, anchors.pos, ctx, ctx_pos, mask))  # [B, N, D, H]
 
-    k = torch.arange(g, device=ids.device)
-    label_pos, valid = _labels(batch, anchors, g)                                 # [B, N, γ]
+    k = torch.arange(d, device=ids.device)
+    label_pos, valid = _labels(batch, anchors, d)                                 # [B, N, D]
     labels = torch.gather(ids[:, None, :].expand(B, N, T), 2, label_pos.clamp(max=T - 1))
     prev = torch.gather(ids[:, None, :].expand(B, N, T), 2, (label_pos - 1).clamp(max=T - 1))
     w = valid.float() * torch.exp(-k.float() / decay_gamma)[None, None, :]
     total = w.sum() if norm is None else torch.as_tensor(norm, device=w.device)
     total = total.clamp_min(1e-6)
 
-    sel = valid                                                                     # [B, N, γ]
+    sel = valid                                                                     # [B, N, D]
     h_sel, prev_sel, lab_sel, w_sel = h[sel], prev[sel], labels[sel], w[sel]
     draft_logits = model.logits(h_sel, prev_sel)                                    # [M, V] fp32
-    tgt_pos = (label_pos - 1)[sel]                                                  # a + k
-    b_idx = torch.arange(B, device=ids.device)[:, None, None].expand(B, N, g)[sel]
+    tgt_pos = (label_pos - 1)[sel]                                                  # a + j
+    b_idx = torch.arange(B, device=ids.device)[:, None, None].expand(B, N, d)[sel]
     with torch.no_grad():
         target_logits = model.lm_head(batch["last_hidden"][b_idx, tgt_pos].to(dtype)).float()
         p_target = target_logits.softmax(-1)
@@ -153,9 +159,9 @@ def draft_loss(model, batch: dict, anchors: Anchors, ce_w: float, l1_w: float, c
         metrics["conf"] = (bce * w_sel).sum().item() / total.item()
     with torch.no_grad():
         # acceptance estimates per slot: alpha (probabilistic), argmax agreement (greedy)
-        full_alpha = torch.zeros(B, N, g, device=ids.device)
+        full_alpha = torch.zeros(B, N, d, device=ids.device)
         full_alpha[sel] = alpha
-        agree = torch.zeros(B, N, g, dtype=torch.bool, device=ids.device)
+        agree = torch.zeros(B, N, d, dtype=torch.bool, device=ids.device)
         agree[sel] = draft_logits.argmax(-1) == target_logits.argmax(-1)
         blocks = valid[:, :, 0]
         if blocks.any():
@@ -163,7 +169,7 @@ def draft_loss(model, batch: dict, anchors: Anchors, ce_w: float, l1_w: float, c
             tau_g = 1 + torch.cumprod(agree.float(), dim=2).sum(-1)[blocks].mean()
             metrics["tau_prob"] = float(tau_p)
             metrics["tau_greedy"] = float(tau_g)
-        for j in range(g):
+        for j in range(d):
             m = valid[:, :, j]
             if m.any():
                 metrics[f"acc@{j}"] = float(agree[:, :, j][m].float().mean())

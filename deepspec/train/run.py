@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from deepspec.config import TrainConfig, to_dict
+from deepspec.config import ConfigError, TrainConfig, to_dict
 from deepspec.io import fingerprint
 from deepspec.loader.dataset import TargetCacheDataset
 from deepspec.models.draft import DraftConfig, DraftModel
@@ -15,13 +15,48 @@ from deepspec.train.callbacks import DvcLiveMetrics, JsonMetrics, ProgressBar
 from deepspec.train.trainer import Trainer
 
 
+# the token name speculators and sglang give a mask token they add to a tokenizer that lacks one
+DEFAULT_MASK_TOKEN = "<|MASK|>"
+
+
+def resolve_mask_token(cfg: TrainConfig, tokenizer, vocab_size: int) -> tuple[int, str]:
+    """(id, text) of the reserved token whose embedding row fills the mask slots; (-1, "") = learned.
+    null resolves like speculators: the tokenizer's mask token, else the first embedding row past
+    the tokenizer (Qwen3: 151669, an unused row), else an error asking for an explicit id."""
+    mid = cfg.mask_token_id
+    if mid is None:
+        if tokenizer.mask_token_id is not None:
+            mid = int(tokenizer.mask_token_id)
+        elif len(tokenizer) < vocab_size:
+            mid = len(tokenizer)
+        else:
+            raise ConfigError("train.mask_token_id: the target's tokenizer has no mask token and its embedding "
+                              "has no unused row; set a reserved token id (or -1 for a learned mask vector, "
+                              "which no serving engine loads)")
+    if mid >= vocab_size:
+        raise ConfigError(f"train.mask_token_id: {mid} is not a token of the target (vocab size {vocab_size})")
+    if mid < 0:
+        return -1, ""
+    text = tokenizer.convert_ids_to_tokens(mid) if mid < len(tokenizer) else None
+    return mid, text or DEFAULT_MASK_TOKEN
+
+
+def sample_from_anchor(cfg: TrainConfig) -> bool:
+    """null = the algorithm's convention (speculators' defaults): DSpark drafts from the anchor slot,
+    DFlash uses the dflash layout."""
+    return cfg.algorithm == "dspark" if cfg.sample_from_anchor is None else cfg.sample_from_anchor
+
+
 def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path) -> DraftModel:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     identity = load_identity(target_dir)
     target_cfg = AutoConfig.from_pretrained(target_dir)
-    draft_cfg = DraftConfig.for_target(cfg.algorithm, getattr(target_cfg, "text_config", target_cfg), layers,
-                                       cfg.block_size, cfg.draft_layers, cfg.markov_rank, identity)
+    text_cfg = getattr(target_cfg, "text_config", target_cfg)
+    mask_id, mask_text = resolve_mask_token(cfg, AutoTokenizer.from_pretrained(target_dir), text_cfg.vocab_size)
+    draft_cfg = DraftConfig.for_target(cfg.algorithm, text_cfg, layers, cfg.block_size, cfg.draft_layers,
+                                       cfg.markov_rank, identity, mask_token_id=mask_id, mask_token=mask_text,
+                                       sample_from_anchor=sample_from_anchor(cfg))
     torch.manual_seed(cfg.seed)
     model = DraftModel(draft_cfg)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)

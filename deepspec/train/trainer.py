@@ -294,7 +294,7 @@ class Trainer:
             self.state.position = 0
 
     def _global_weight(self, anchors_and_batches) -> float:
-        local = sum(float(slot_weights(b, a, self.model.config.block_size, self.cfg.decay_gamma).sum())
+        local = sum(float(slot_weights(b, a, self.model.config.num_drafts, self.cfg.decay_gamma).sum())
                     for b, a in anchors_and_batches)
         if self.world_size > 1:
             t = torch.tensor([local], dtype=torch.float64, device=self.device)

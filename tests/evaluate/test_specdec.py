@@ -40,6 +40,22 @@ def test_greedy_speculative_equals_plain_greedy(trained_target):
             assert sum(r.acceptance_length for r in spec.rounds) + 1 == len(spec.tokens)
 
 
+def test_a_dflash_layout_draft_proposes_block_minus_one_and_stays_lossless(trained_target):
+    """sample_from_anchor false: slot 0's output is unused, so a block of 4 proposes 3 drafts."""
+    tok = AutoTokenizer.from_pretrained(trained_target)
+    target = AutoModelForCausalLM.from_pretrained(trained_target)
+    torch.manual_seed(0)
+    cfg = DraftConfig.for_target("dflash", target.config, [0, 2], 4, 1, 0, {}, mask_token_id=tok.mask_token_id,
+                                 mask_token=tok.mask_token, sample_from_anchor=False)
+    draft = DraftModel(cfg)
+    draft.copy_target_embeddings(target)
+    dec = SpecDecoder(target, draft.eval(), {tok.eos_token_id})
+    for ids in prompts_of(tok, 4):
+        spec = dec.speculative(ids, 20, Warp())
+        assert spec.tokens == dec.plain(ids, 20, Warp()).tokens
+        assert max(r.proposed for r in spec.rounds) == 3
+
+
 def test_a_random_draft_gives_tau_near_one(trained_target):
     tok = AutoTokenizer.from_pretrained(trained_target)
     target = AutoModelForCausalLM.from_pretrained(trained_target)

@@ -132,6 +132,9 @@ def test_builtin_tiny_trains_and_saves_a_loadable_model(tmp_path):
     assert model.generation_config.do_sample is True
     assert tok.convert_ids_to_tokens(model.generation_config.eos_token_id) == "<|im_end|>"
     assert_sampling_defaults(model.generation_config)
+    # a reserved mask token for block drafts: a special token no text encodes to
+    assert tok.mask_token == "<|MASK|>" and tok.mask_token_id < len(tok)
+    assert tok.mask_token_id not in tok("<|MASK |> MASK mask <|im_start|>", add_special_tokens=False).input_ids
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
                                      tokenize=False)
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"  # no injected system turn

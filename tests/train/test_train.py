@@ -14,8 +14,11 @@ import yaml
 from safetensors.torch import load_file
 
 from deepspec.config import TrainConfig
+from deepspec.loader.collate import collate
+from deepspec.loader.dataset import TargetCacheDataset
 from deepspec.models.draft import DraftModel
 from deepspec.train.checkpoint import list_checkpoints
+from deepspec.train.loss import block_mask
 from deepspec.train.run import run_training
 from deepspec.train.schedule import lr_factor
 from tests.conftest import REPO, project_env
@@ -58,6 +61,83 @@ def test_dflash_has_no_heads_and_trains(tmp_path, small_cache, trained_target):
     draft = DraftModel.load(tmp_path / "draft")
     assert draft.markov_in is None and draft.confidence_head is None
     assert not any(k.startswith(("markov", "confidence")) for k in load_file(tmp_path / "draft" / "model.safetensors"))
+
+
+def test_mask_slots_are_the_targets_reserved_token_row(tmp_path, small_cache, trained_target):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(trained_target)
+    train(tmp_path, small_cache, trained_target, steps=10)
+    draft = DraftModel.load(tmp_path / "draft")
+    assert (draft.config.mask_token_id, draft.config.mask_token) == (tok.mask_token_id, "<|MASK|>")
+    assert draft.config.sample_from_anchor is True                      # DSpark's convention by default
+    assert draft.mask_embedding is None and "mask_embedding" not in load_file(tmp_path / "draft" / "model.safetensors")
+    row = AutoModelForCausalLM.from_pretrained(trained_target).get_input_embeddings().weight[tok.mask_token_id]
+    assert torch.equal(draft.mask_vector(), row) and not draft.mask_vector().requires_grad
+    train(tmp_path / "learned", small_cache, trained_target, steps=10, mask_token_id=-1)
+    learned = DraftModel.load(tmp_path / "learned" / "draft")
+    assert learned.config.mask_token_id == -1 and learned.mask_embedding.requires_grad
+
+
+def test_mask_token_resolution():
+    from types import SimpleNamespace
+
+    from deepspec.config import ConfigError
+    from deepspec.train.run import resolve_mask_token
+
+    class Tok(SimpleNamespace):
+        def __len__(self):
+            return self.n
+
+        def convert_ids_to_tokens(self, i):
+            return f"<t{i}>"
+
+    with_mask, no_mask = Tok(n=10, mask_token_id=4), Tok(n=10, mask_token_id=None)
+    assert resolve_mask_token(TrainConfig(), with_mask, 16) == (4, "<t4>")
+    assert resolve_mask_token(TrainConfig(), no_mask, 16) == (10, "<|MASK|>")   # first unused row (Qwen3: 151669)
+    assert resolve_mask_token(TrainConfig(mask_token_id=7), no_mask, 16) == (7, "<t7>")
+    assert resolve_mask_token(TrainConfig(mask_token_id=-1), with_mask, 16) == (-1, "")
+    with pytest.raises(ConfigError, match="train.mask_token_id: the target's tokenizer has no mask token"):
+        resolve_mask_token(TrainConfig(), no_mask, 10)
+    with pytest.raises(ConfigError, match="train.mask_token_id: 16 is not a token"):
+        resolve_mask_token(TrainConfig(mask_token_id=16), with_mask, 16)
+
+
+def test_dflash_layout_trains_gamma_minus_one_drafts(tmp_path, small_cache, trained_target):
+    """sample_from_anchor false: slot 0's output is unused, slot k predicts the token at a+k."""
+    from deepspec.train.loss import draft_loss, sample_anchors
+
+    train(tmp_path, small_cache, trained_target, algorithm="dflash", block_size=4, steps=20)
+    draft = DraftModel.load(tmp_path / "draft")
+    assert draft.config.sample_from_anchor is False and draft.config.num_drafts == 3   # dflash's default
+    ds = TargetCacheDataset(str(small_cache), layers=[-1, 0, 2])
+    batch = collate([ds[i] for i in range(4)])
+    batch["input_ids"] = batch["input_ids"].long()
+    anchors = sample_anchors(batch["loss_mask"], batch["lengths"], 4, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = draft_loss(draft, batch, anchors, 1.0, 0.0, 0.0, 4.0)
+    assert {k for k in out.metrics if k.startswith("acc@")} == {"acc@0", "acc@1", "acc@2"}
+    # one anchor, only draft 0 weighted: the CE is that of slot 1's logits against token a+1
+    one = {k: v[:1] if v is not None else None for k, v in batch.items()}
+    first = type(anchors)(anchors.pos[:1, :1], anchors.keep[:1, :1])
+    a, T = int(first.pos[0, 0]), one["input_ids"].shape[1]
+    with torch.no_grad():
+        h = draft.block_states(one["input_ids"][:, a:a + 1], first.pos, draft.context(one["hidden"].float()),
+                               torch.arange(T)[None], block_mask(first, one["lengths"], T, 4))
+        ce = torch.nn.functional.cross_entropy(draft.lm_head(h[0, 0, 1])[None], one["input_ids"][0, a + 1][None])
+        single = draft_loss(draft, one, first, 1.0, 0.0, 0.0, 1e-9)
+    assert single.metrics["ce"] == pytest.approx(float(ce), rel=1e-5)
+
+
+def test_new_train_params_are_in_the_resume_fingerprint(tmp_path, small_cache, trained_target):
+    def fingerprint():
+        return json.loads((list_checkpoints(tmp_path / "state")[-1] / "meta.json").read_text())["fingerprint"]
+
+    seen = set()
+    for kw in ({}, {"mask_token_id": -1}, {"sample_from_anchor": False}):
+        train(tmp_path, small_cache, trained_target, steps=2, checkpoint_every=2, **kw)
+        seen.add(fingerprint())
+    assert len(seen) == 3
 
 
 def test_layer_subset_trains_without_recomputing_the_cache(tmp_path, small_cache, trained_target):

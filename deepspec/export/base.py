@@ -1,0 +1,101 @@
+"""What every export format shares: the target reference, the draft's own layer config, refusals,
+and writing a model directory (config.json + model.safetensors, no pickle) without leaving a half-
+written one behind."""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from deepspec.models.draft import DraftConfig, DraftModel
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class ExportError(ValueError):
+    """Bad input: the export cannot run (wrong target, output already there, unknown format)."""
+
+
+class Refused(Exception):
+    """The format cannot represent this draft; the message says why (listed in report.json)."""
+
+
+@dataclass
+class TargetRef:
+    """The target as the exported config names it."""
+    name_or_path: str                 # hub id for hf: targets, the model directory otherwise
+    architectures: list[str]
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+
+@dataclass
+class Exported:
+    config: dict
+    tensors: dict[str, torch.Tensor]
+    facts: dict = field(default_factory=dict)   # for report.json: ids written, drafts per round, ...
+
+
+def require_mask_token(cfg: DraftConfig) -> None:
+    if cfg.mask_token_id < 0:
+        raise Refused("the draft uses a learned mask vector (train.mask_token_id: -1); engines build the mask "
+                      "slots from a token's embedding row: retrain with a reserved train.mask_token_id")
+
+
+def require_target_width(cfg: DraftConfig) -> None:
+    if cfg.hidden_size != cfg.target_hidden_size:
+        raise Refused(f"draft width {cfg.hidden_size} differs from the target's {cfg.target_hidden_size}; "
+                      "the engines size the feature projection as (number of layers x draft width)")
+
+
+def qwen3_layer_config(cfg: DraftConfig, dtype: str) -> dict:
+    """The draft's decoder layers as a Qwen3 config, from the draft's own config (not the target's)."""
+    return {
+        "model_type": "qwen3",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,            # older readers; transformers 5 reads rope_parameters
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "layer_types": ["full_attention"] * cfg.num_layers,
+        "tie_word_embeddings": False,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+
+
+def backbone_tensors(draft: DraftModel) -> dict[str, torch.Tensor]:
+    """Decoder layers, feature projection and norms: the names deepspec, speculators and dflash share."""
+    keep = ("layers.", "fc.", "hidden_norm.", "norm.")
+    return {k: v for k, v in draft.state_dict().items() if k.startswith(keep)}
+
+
+def write_model_dir(out: Path, exported: Exported, dtype: str) -> list[str]:
+    """config.json + model.safetensors into `out`, written beside it and renamed into place."""
+    from safetensors.torch import save_file
+
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {k: v.detach().to(DTYPES[dtype] if v.is_floating_point() else v.dtype).contiguous().cpu()
+               for k, v in exported.tensors.items()}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(exported.config, indent=2, sort_keys=True) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return sorted(p.name for p in out.iterdir())
