@@ -1,4 +1,5 @@
-"""`deepspec ...`: tools usable outside DVC: cache info|verify|ls|estimate, export, serve."""
+"""`deepspec ...`: tools usable outside DVC: cache info|verify|ls|estimate and reference-format
+import/export, export, serve."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +7,7 @@ import json
 import sys
 
 from deepspec.cache.format import CacheFormatError
+from deepspec.config import CacheConfig
 
 
 def _storage_options(text: str | None) -> dict | None:
@@ -32,6 +34,25 @@ def main(argv: list[str] | None = None) -> int:
     est.add_argument("--layers", type=_parse_layers, required=True, help="e.g. 1,9,17,25,33")
     est.add_argument("--tokens", type=float, required=True, help="total tokens (e.g. 1.25e9)")
     est.add_argument("--dtype", choices=["bfloat16", "fp8"], default="bfloat16")
+    defaults = CacheConfig()
+    imp = cmds.add_parser("import-reference", help="a reference (DeepSpec) target cache directory -> a new store")
+    imp.add_argument("dir", help="reference cache directory (manifest.json, samples.idx, shard-*.bin)")
+    imp.add_argument("dst", help="new store path or s3://bucket/path")
+    imp.add_argument("--target", help="target model directory with identity.json (the model the cache was "
+                                      "computed with); without it the store's target identity is unknown "
+                                      "and training refuses it, unless the cache was exported from here")
+    imp.add_argument("--codec", choices=["none", "blosc-zstd", "blosc-lz4"], default=defaults.codec)
+    imp.add_argument("--chunk-tokens", type=int, default=defaults.chunk_tokens)
+    imp.add_argument("--part-tokens", type=int, default=defaults.part_tokens)
+    imp.add_argument("--storage-options", help="JSON dict passed to fsspec (e.g. endpoint_url)")
+    exp = cmds.add_parser("export-reference", help="a store -> a reference (DeepSpec) target cache directory")
+    exp.add_argument("src", help="store path or s3://bucket/path")
+    exp.add_argument("dir", help="new local directory")
+    exp.add_argument("--layers", type=_parse_layers, help="subset of the cached layers (default: all)")
+    exp.add_argument("--target-name", help="the reference config's model.target_model_name_or_path "
+                                           "(its trainer requires the manifest to match it)")
+    exp.add_argument("--shard-bytes", type=int, default=64 * 2**30, help="roll to a new shard file past this size")
+    exp.add_argument("--storage-options", help="JSON dict passed to fsspec (e.g. endpoint_url)")
     serve = sub.add_parser("serve", help="launch inference servers for the regen stage (GPU)")
     serve_cmds = serve.add_subparsers(dest="cmd", required=True)
     sg = serve_cmds.add_parser("sglang", help="one sglang server per GPU, and the sglang router in front")
@@ -58,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.group == "export":
         return _export(args)
 
-    from deepspec.cache import estimate, verify
+    from deepspec.cache import estimate, reference, verify
 
     try:
         if args.cmd == "info":
@@ -69,6 +90,13 @@ def main(argv: list[str] | None = None) -> int:
             from deepspec.cache.store import list_stores
 
             out = list_stores(args.url, _storage_options(args.storage_options))
+        elif args.cmd == "import-reference":
+            out = reference.import_reference(args.dir, args.dst, args.target, args.codec, args.chunk_tokens,
+                                             args.part_tokens, defaults.shard_bytes,
+                                             _storage_options(args.storage_options))
+        elif args.cmd == "export-reference":
+            out = reference.export_reference(args.src, args.dir, args.layers, args.target_name, args.shard_bytes,
+                                             _storage_options(args.storage_options))
         else:
             out = estimate.estimate(args.hidden_size, args.layers, int(args.tokens), args.dtype)
     except CacheFormatError as e:

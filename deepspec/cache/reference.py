@@ -1,0 +1,497 @@
+"""Moving caches between a store here and the reference pipeline's own format (DeepSpec target
+cache, version 2; the format is described in docs/cache-format.md §10).
+
+A reference cache is a local directory: `manifest.json`, `samples.idx` (56-byte records, record k
+holds sample k) and raw `shard-NNNNN.bin` files with each sample's arrays back to back, hidden
+states token-major with the layers side by side ([T, L*H]). Both directions stream: import reads
+one sample at a time into a preallocated part and hands whole parts to `CacheWriter`; export reads
+one sample at a time through `TargetCacheDataset` and appends it to the current shard.
+
+What the reference format cannot hold travels in files of our own that its reader ignores: this
+project's row ids in `deepspec_sample_ids.bin` (uint64 LE, one per record) and the target identity,
+store dtype and layer order in the manifest's `deepspec` field.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from deepspec.cache.format import FORMAT, FORMAT_VERSION, CacheFormatError, bytes_per_token
+
+REF_VERSION = 2
+RECORD = np.dtype([("sample_id", "<u8"), ("shard_id", "<u4"), ("seq_len", "<u4"),
+                   ("input_ids", "<u8"), ("attention_mask", "<u8"), ("loss_mask", "<u8"),
+                   ("target_hidden_states", "<u8"), ("target_last_hidden_states", "<u8")])
+assert RECORD.itemsize == 56
+REQUIRED = ("version", "num_samples", "num_shards", "target_layer_ids", "hidden_dtype", "token_dtype",
+            "mask_dtype", "index_record_size", "hidden_size", "shards")
+HIDDEN_ITEMSIZE = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+# reference hidden dtype -> store dtype: e4m3 keeps its bytes (scale 1); e5m2 has no store dtype
+# here, and every e5m2 value is exactly a bfloat16, so it widens without loss
+STORE_DTYPE = {"bfloat16": "bfloat16", "float8_e4m3fn": "fp8", "float8_e5m2": "bfloat16"}
+SAMPLE_IDS_FILE = "deepspec_sample_ids.bin"
+IDENTITY_KEYS = ("architecture", "hidden_size", "num_layers", "vocab_size", "config_sha256", "weights_sha256",
+                 "tokenizer_sha256", "chat_template_sha256", "id")
+UNKNOWN = "unknown (imported from a reference cache without --target)"
+INDEX_BLOCK = 1 << 18  # records checked per vectorised step of the index scan
+
+
+def _nbytes(seq_len: np.ndarray, hidden: int, layers: int, itemsize: int) -> dict[str, np.ndarray]:
+    n = seq_len.astype(np.uint64)
+    return {"input_ids": n * 4, "attention_mask": n, "loss_mask": n,
+            "target_hidden_states": n * np.uint64(layers * hidden * itemsize),
+            "target_last_hidden_states": n * np.uint64(hidden * itemsize)}
+
+
+# ---- reading a reference directory ------------------------------------------------------------
+
+class ReferenceCache:
+    """A validated reference cache directory. Construction checks the manifest and the presence and
+    sizes of its files; `check_index` checks every record (call it before writing anything)."""
+
+    def __init__(self, path: str | Path):
+        self.dir = Path(path)
+        self.manifest_path = self.dir / "manifest.json"
+        m = self._load_manifest()
+        self.manifest = m
+        self.num_samples = self._int(m, "num_samples", minimum=0)
+        self.hidden_size = self._int(m, "hidden_size", minimum=1)
+        self.hidden_dtype = m["hidden_dtype"]
+        self.layers = self._layers(m["target_layer_ids"])
+        self.itemsize = HIDDEN_ITEMSIZE[self.hidden_dtype]
+        self.shard_files, self.shard_sizes = self._shards(m)
+        self.index_path = self.dir / "samples.idx"
+        if not self.index_path.is_file():
+            raise CacheFormatError(f"{self.index_path}: missing (every reference cache has an index)")
+        size = self.index_path.stat().st_size
+        if size != self.num_samples * RECORD.itemsize:
+            raise CacheFormatError(f"{self.index_path}: {size} bytes, but manifest.json num_samples "
+                                   f"{self.num_samples} needs {self.num_samples * RECORD.itemsize} "
+                                   f"({RECORD.itemsize}-byte records)")
+        self._fd: tuple[int, int] | None = None  # (shard id, open fd)
+
+    def _load_manifest(self) -> dict:
+        where = self.manifest_path
+        if not where.is_file():
+            raise CacheFormatError(f"{where}: missing (not a reference target cache directory)")
+        try:
+            m = json.loads(where.read_text())
+        except json.JSONDecodeError as e:
+            raise CacheFormatError(f"{where}: not valid JSON (line {e.lineno}: {e.msg})") from None
+        if not isinstance(m, dict):
+            raise CacheFormatError(f"{where}: not a JSON object")
+        missing = [k for k in REQUIRED if k not in m]
+        if missing:
+            raise CacheFormatError(f"{where}: missing required field(s) {missing}")
+        checks = (("version", REF_VERSION), ("index_record_size", RECORD.itemsize), ("token_dtype", "int32"),
+                  ("mask_dtype", "uint8"))
+        for key, want in checks:
+            if m[key] != want:
+                raise CacheFormatError(f"{where}: field {key} is {m[key]!r}; only {want!r} is supported")
+        if m["hidden_dtype"] not in HIDDEN_ITEMSIZE:
+            raise CacheFormatError(f"{where}: field hidden_dtype is {m['hidden_dtype']!r} "
+                                   f"(known: {list(HIDDEN_ITEMSIZE)})")
+        return m
+
+    def _int(self, m: dict, key: str, minimum: int) -> int:
+        value = m[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise CacheFormatError(f"{self.manifest_path}: field {key} must be an integer >= {minimum}, "
+                                   f"got {value!r}")
+        return value
+
+    def _layers(self, ids) -> list[int]:
+        where = f"{self.manifest_path}: field target_layer_ids"
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+            raise CacheFormatError(f"{where} must be a non-empty list of integers, got {ids!r}")
+        if ids != sorted(ids):
+            raise CacheFormatError(f"{where} {ids} is not in ascending order (the reference reader requires it)")
+        if len(set(ids)) != len(ids):
+            raise CacheFormatError(f"{where} {ids} repeats a layer")
+        if ids[0] < -1:
+            raise CacheFormatError(f"{where} {ids}: {ids[0]} is not a layer (-1 is the embedding output)")
+        return list(ids)
+
+    def _shards(self, m: dict) -> tuple[list[Path], np.ndarray]:
+        shards = m["shards"]
+        if not isinstance(shards, list) or m["num_shards"] != len(shards):
+            raise CacheFormatError(f"{self.manifest_path}: field num_shards is {m['num_shards']!r} but shards "
+                                   f"lists {len(shards) if isinstance(shards, list) else shards!r}")
+        files = []
+        for k, entry in enumerate(shards):
+            if not isinstance(entry, dict) or "shard_id" not in entry or "file_name" not in entry:
+                raise CacheFormatError(f"{self.manifest_path}: shards[{k}] needs shard_id and file_name, got {entry!r}")
+            if entry["shard_id"] != k:
+                raise CacheFormatError(f"{self.manifest_path}: shards[{k}].shard_id is {entry['shard_id']!r}; "
+                                       f"shard ids must be 0, 1, 2, ... in order")
+            name = str(entry["file_name"])
+            if os.path.isabs(name) or ".." in Path(name).parts:
+                raise CacheFormatError(f"{self.manifest_path}: shards[{k}].file_name {name!r} leaves the cache directory")
+            path = self.dir / name
+            if not path.is_file():
+                raise CacheFormatError(f"{path}: missing (manifest.json shards[{k}])")
+            files.append(path)
+        return files, np.array([p.stat().st_size for p in files], dtype=np.uint64)
+
+    def index(self) -> np.ndarray:
+        if self.num_samples == 0:
+            return np.zeros(0, dtype=RECORD)
+        return np.memmap(self.index_path, dtype=RECORD, mode="r", shape=(self.num_samples,))
+
+    def check_index(self) -> None:
+        """Every record: its sample id is its position, its shard exists, its length is positive and
+        each of its five arrays lies inside its shard. Reads the index in blocks."""
+        idx = self.index()
+        where = self.index_path
+        for lo in range(0, self.num_samples, INDEX_BLOCK):
+            block = np.asarray(idx[lo:lo + INDEX_BLOCK])
+            pos = np.arange(lo, lo + len(block), dtype=np.uint64)
+            bad = np.flatnonzero(block["sample_id"] != pos)
+            if bad.size:
+                k = int(bad[0])
+                raise CacheFormatError(f"{where}: record {lo + k}: sample_id is {int(block['sample_id'][k])}, "
+                                       f"expected {lo + k} (record k must hold sample k)")
+            bad = np.flatnonzero(block["shard_id"] >= len(self.shard_files))
+            if bad.size:
+                k = int(bad[0])
+                raise CacheFormatError(f"{where}: record {lo + k}: shard_id {int(block['shard_id'][k])} is not "
+                                       f"in manifest.json shards (it lists {len(self.shard_files)})")
+            bad = np.flatnonzero(block["seq_len"] == 0)
+            if bad.size:
+                raise CacheFormatError(f"{where}: record {lo + int(bad[0])}: seq_len is 0")
+            sizes = self.shard_sizes[block["shard_id"]]
+            for field, nbytes in _nbytes(block["seq_len"], self.hidden_size, len(self.layers), self.itemsize).items():
+                end = block[field] + nbytes
+                bad = np.flatnonzero((end > sizes) | (end < block[field]))
+                if bad.size:
+                    k = int(bad[0])
+                    shard = self.shard_files[int(block["shard_id"][k])]
+                    raise CacheFormatError(
+                        f"{shard}: record {lo + k} of {where.name}: {field} bytes {int(block[field][k])}.."
+                        f"{int(end[k])} lie outside the shard ({int(sizes[k])} bytes; truncated shard or bad offset)")
+
+    def read(self, record: np.void, field: str, nbytes: int) -> bytes:
+        shard = int(record["shard_id"])
+        if self._fd is None or self._fd[0] != shard:
+            self.close()
+            self._fd = (shard, os.open(self.shard_files[shard], os.O_RDONLY))
+        offset = int(record[field])
+        data = os.pread(self._fd[1], nbytes, offset)
+        if len(data) != nbytes:  # the file shrank after check_index
+            raise CacheFormatError(f"{self.shard_files[shard]}: record {int(record['sample_id'])}: {field}: "
+                                   f"short read ({len(data)} of {nbytes} bytes at {offset})")
+        return data
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd[1])
+            self._fd = None
+
+    def deepspec_block(self) -> dict:
+        block = self.manifest.get("deepspec")
+        if block is None:
+            return {}
+        if not isinstance(block, dict):
+            raise CacheFormatError(f"{self.manifest_path}: field deepspec must be an object, got {block!r}")
+        return block
+
+    def sample_ids(self) -> np.ndarray | None:
+        """This project's row ids when the cache was exported from a store here, else None."""
+        name = self.deepspec_block().get("sample_ids_file")
+        if name is None:
+            return None
+        path = self.dir / str(name)
+        if os.path.isabs(str(name)) or ".." in Path(str(name)).parts or not path.is_file():
+            raise CacheFormatError(f"{path}: missing (manifest.json field deepspec.sample_ids_file)")
+        if path.stat().st_size != 8 * self.num_samples:
+            raise CacheFormatError(f"{path}: {path.stat().st_size} bytes, expected 8 per sample "
+                                   f"({8 * self.num_samples} for {self.num_samples} samples)")
+        ids = np.fromfile(path, dtype="<u8") if self.num_samples else np.zeros(0, dtype="<u8")
+        uniq, counts = np.unique(ids, return_counts=True)
+        if (counts > 1).any():
+            dup = int(uniq[np.argmax(counts > 1)])
+            raise CacheFormatError(f"{path}: sample id {dup:016x} appears {int(counts.max())} times "
+                                   f"(records {np.flatnonzero(ids == dup).tolist()[:4]})")
+        return ids
+
+
+# ---- import -----------------------------------------------------------------------------------
+
+def _identity(ref: ReferenceCache, target_dir: str | Path | None) -> tuple[dict, str]:
+    """(target identity for the store, where it came from)."""
+    exported = ref.deepspec_block().get("target")
+    if not (isinstance(exported, dict) and exported.get("hidden_size") == ref.hidden_size):
+        exported = None
+    if target_dir is None:
+        if exported is not None:
+            return dict(exported), "export manifest"
+        ident = {k: UNKNOWN for k in IDENTITY_KEYS}
+        ident["hidden_size"] = ref.hidden_size
+        return ident, "unknown"
+    from deepspec.models.target import TargetError, load_identity
+
+    try:
+        ident = load_identity(target_dir)
+    except TargetError as e:
+        raise CacheFormatError(str(e)) from None
+    where = Path(target_dir) / "identity.json"
+    if ident.get("hidden_size") != ref.hidden_size:
+        raise CacheFormatError(f"{where}: hidden_size {ident.get('hidden_size')} but {ref.manifest_path} "
+                               f"hidden_size is {ref.hidden_size}: the cache was not computed with this target")
+    last = int(ident["num_layers"]) - 2  # the final layer is not cacheable (docs/cache-format.md §2)
+    bad = [i for i in ref.layers if i > last]
+    if bad:
+        raise CacheFormatError(f"{ref.manifest_path}: field target_layer_ids has {bad}, out of range for "
+                               f"{where} ({ident['num_layers']} decoder layers; valid -1 .. {last})")
+    if exported is not None:
+        for key in sorted(set(exported) | set(ident)):
+            if key != "id" and exported.get(key) not in (ident.get(key), UNKNOWN):
+                raise CacheFormatError(f"{ref.manifest_path}: deepspec.target.{key} is {exported.get(key)!r} "
+                                       f"but {where} has {ident.get(key)!r}: the cache was computed with another target")
+    return ident, "--target"
+
+
+def _store_layers(ref: ReferenceCache) -> list[int]:
+    """The store's layer order: the original one when the cache came from a store here."""
+    order = ref.deepspec_block().get("layers")
+    if isinstance(order, list) and sorted(order) == ref.layers:
+        return list(order)
+    return list(ref.layers)
+
+
+def _refuse_existing(url: str, storage_options: dict | None) -> None:
+    from deepspec.cache.store import is_remote, open_root
+
+    if not is_remote(url):
+        path = Path(url.removeprefix("file://"))
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise CacheFormatError(f"{url}: already exists and is not empty; import writes a new store")
+        return
+    try:
+        open_root(url, "r", storage_options)
+    except CacheFormatError:
+        return
+    raise CacheFormatError(f"{url}: already holds a store; import writes a new store")
+
+
+def plan_parts(seq_len: np.ndarray, part_tokens: int) -> list[tuple[int, int]]:
+    """Record ranges [a, b) packed greedily in order up to part_tokens tokens (a longer sample gets
+    a part of its own), the packing rule of the cache stage."""
+    parts, start, tokens = [], 0, 0
+    for k, n in enumerate(seq_len.tolist()):
+        if k > start and tokens + n > part_tokens:
+            parts.append((start, k))
+            start, tokens = k, 0
+        tokens += n
+    if len(seq_len) > start:
+        parts.append((start, len(seq_len)))
+    return parts
+
+
+def _read_part(ref: ReferenceCache, records: np.ndarray, name: str, sample_ids: np.ndarray, dtype: str):
+    from deepspec.cache.writer import PartData
+
+    lengths = records["seq_len"].astype(np.int64)
+    T, L, H = int(lengths.sum()), len(ref.layers), ref.hidden_size
+    raw = np.uint16 if ref.itemsize == 2 else np.uint8
+    input_ids = np.empty(T, dtype=np.int32)
+    loss_mask = np.empty(T, dtype=np.uint8)
+    hidden = np.empty((L + 1, T, H), dtype=raw)  # stored layers then last; filled in place
+    pos = 0
+    for rec, n in zip(records, lengths.tolist()):
+        input_ids[pos:pos + n] = np.frombuffer(ref.read(rec, "input_ids", 4 * n), dtype="<i4")
+        loss_mask[pos:pos + n] = np.frombuffer(ref.read(rec, "loss_mask", n), dtype=np.uint8)
+        rows = np.frombuffer(ref.read(rec, "target_hidden_states", n * L * H * ref.itemsize),
+                             dtype=np.dtype(raw).newbyteorder("<")).reshape(n, L, H)
+        hidden[:L, pos:pos + n] = rows.transpose(1, 0, 2)
+        hidden[L, pos:pos + n] = np.frombuffer(ref.read(rec, "target_last_hidden_states", n * H * ref.itemsize),
+                                               dtype=np.dtype(raw).newbyteorder("<")).reshape(n, H)
+        pos += n
+    if ref.hidden_dtype == "float8_e5m2":
+        hidden = torch.from_numpy(hidden).view(torch.float8_e5m2).to(torch.bfloat16).view(torch.uint16).numpy()
+    ones = np.ones(T, dtype=np.float32) if dtype == "fp8" else None  # a plain cast: its scale is 1
+    values = {layer: (hidden[k], ones) for k, layer in enumerate(ref.layers)}
+    values["last"] = (hidden[L], ones)
+    return PartData(name=name, sample_ids=sample_ids.astype(np.uint64), lengths=lengths, input_ids=input_ids,
+                    loss_mask=loss_mask, hidden=values)
+
+
+def import_reference(src: str | Path, dst: str, target_dir: str | Path | None = None, codec: str = "none",
+                     chunk_tokens: int = 64, part_tokens: int = 65536, shard_bytes: int = 512 * 2**20,
+                     storage_options: dict | None = None) -> dict:
+    """A reference cache directory -> a new store at `dst`. Everything is checked before the first
+    part is written; parts are read one at a time (the writer holds at most one more)."""
+    from deepspec.cache.writer import CacheWriter
+
+    ref = ReferenceCache(src)
+    ref.check_index()
+    ident, ident_from = _identity(ref, target_dir)
+    ids = ref.sample_ids()
+    ids_from = SAMPLE_IDS_FILE if ids is not None else "record position"
+    if ids is None:  # no row ids to restore: the reference's own sample id, the record's position
+        ids = np.arange(ref.num_samples, dtype=np.uint64)
+    _refuse_existing(dst, storage_options)
+
+    dtype = STORE_DTYPE[ref.hidden_dtype]
+    layers = _store_layers(ref)
+    index = ref.index()
+    seq_len = np.asarray(index["seq_len"]).astype(np.int64) if ref.num_samples else np.zeros(0, np.int64)
+    max_length = ref.manifest.get("max_length")
+    if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
+        max_length = int(seq_len.max()) if len(seq_len) else 0  # the longest sample is the only fact known
+    manifest = {
+        "target": ident, "layers": layers, "dtype": dtype, "codec": codec, "max_length": max_length,
+        "chunk_tokens": chunk_tokens, "hidden_size": ref.hidden_size,
+        "bytes_per_token": bytes_per_token(ref.hidden_size, len(layers), dtype),
+        "imported_from": {
+            "format": "deepspec-reference-target-cache", "version": REF_VERSION, "hidden_dtype": ref.hidden_dtype,
+            "target_model_name_or_path": ref.manifest.get("target_model_name_or_path"),
+            "target_identity": ident_from, "sample_ids": ids_from,
+        },
+    }
+    row_bytes = ref.hidden_size * (2 if dtype == "bfloat16" else 1)
+    plan = plan_parts(seq_len, max(1, min(part_tokens, shard_bytes // row_bytes)))
+    writer = CacheWriter(dst, manifest, storage_options, queue_size=1, prune_stale=False)
+    try:
+        for p, (a, b) in enumerate(plan):
+            writer.submit(_read_part(ref, np.asarray(index[a:b]), f"p{p:06d}", ids[a:b], dtype))
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        ref.close()
+    return {"url": dst, "samples": ref.num_samples, "tokens": int(seq_len.sum()), "parts": len(plan),
+            "layers": layers, "dtype": dtype, "hidden_size": ref.hidden_size, "target_identity": ident_from,
+            "sample_ids": ids_from}
+
+
+# ---- export -----------------------------------------------------------------------------------
+
+@dataclass
+class _ShardWriter:
+    """Appends samples to shard-NNNNN.bin files, rolling to a new one past max_bytes."""
+    dir: Path
+    max_bytes: int
+    shard: int = -1
+    size: int = 0
+    handle: object = None
+
+    def file_name(self, shard: int) -> str:
+        return f"shard-{shard:05d}.bin"
+
+    def start(self, nbytes: int) -> None:
+        if self.handle is None or (self.size > 0 and self.size + nbytes > self.max_bytes):
+            self.close()
+            self.shard += 1
+            self.handle = open(self.dir / self.file_name(self.shard), "xb")
+            self.size = 0
+
+    def write(self, data: np.ndarray) -> int:
+        offset = self.size
+        self.handle.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+        self.size += data.nbytes
+        return offset
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
+
+def _prepare_out_dir(out: Path) -> bool:
+    """True when the directory is created here. Refuses a non-empty one: nothing is overwritten."""
+    if out.exists():
+        if not out.is_dir() or any(out.iterdir()):
+            raise CacheFormatError(f"{out}: already exists and is not empty; export writes a new directory")
+        return False
+    out.mkdir(parents=True)
+    return True
+
+
+def export_reference(src: str, out_dir: str | Path, layers: list[int] | None = None,
+                     target_name: str | None = None, shard_bytes: int = 64 * 2**30,
+                     storage_options: dict | None = None) -> dict:
+    """A store here -> a reference cache directory (bfloat16; an fp8 store is decoded). Layers are
+    written in ascending order, as the reference requires."""
+    from deepspec.loader.dataset import TargetCacheDataset
+
+    ds = TargetCacheDataset(src, layers=sorted(set(layers)) if layers else None, storage_options=storage_options)
+    m = ds.manifest
+    order = sorted(ds.layers)
+    perm = [ds.layers.index(i) for i in order]  # the store's order -> ascending
+    out = Path(out_dir)
+    created = _prepare_out_dir(out)
+    shards = _ShardWriter(out, shard_bytes)
+    H, tokens = ds.hidden_size, 0
+    try:
+        with open(out / "samples.idx", "xb") as index, open(out / SAMPLE_IDS_FILE, "xb") as id_file:
+            for k in range(len(ds)):
+                item = ds[k]
+                n = int(item["input_ids"].shape[0])
+                hidden = item["hidden"].transpose(0, 1)[:, perm].contiguous().view(torch.uint16).numpy()  # [T, L, H]
+                last = item["last_hidden"].contiguous().view(torch.uint16).numpy()
+                arrays = {
+                    "input_ids": item["input_ids"].numpy().astype("<i4", copy=False),
+                    "attention_mask": np.ones(n, dtype=np.uint8),  # samples are unpadded
+                    "loss_mask": item["loss_mask"].numpy().astype(np.uint8, copy=False),
+                    "target_hidden_states": hidden.astype("<u2", copy=False),
+                    "target_last_hidden_states": last.astype("<u2", copy=False),
+                }
+                shards.start(sum(a.nbytes for a in arrays.values()))
+                rec = np.zeros(1, dtype=RECORD)
+                rec["sample_id"], rec["shard_id"], rec["seq_len"] = k, shards.shard, n
+                for field in ("input_ids", "attention_mask", "loss_mask", "target_hidden_states",
+                              "target_last_hidden_states"):  # the reference writer's order
+                    rec[field] = shards.write(arrays[field])
+                index.write(rec.tobytes())
+                id_file.write(np.array([item["sample_id"]], dtype="<u8").tobytes())
+                tokens += n
+        shards.close()
+        manifest = {
+            "version": REF_VERSION, "num_samples": len(ds), "num_shards": shards.shard + 1,
+            "target_layer_ids": order, "hidden_dtype": "bfloat16", "token_dtype": "int32", "mask_dtype": "uint8",
+            "index_record_size": RECORD.itemsize, "hidden_size": H,
+            "shards": [{"shard_id": s, "file_name": shards.file_name(s)} for s in range(shards.shard + 1)],
+            # the reference trainer refuses a cache whose field differs from its config's model path
+            "target_model_name_or_path": target_name or _default_target_name(m),
+            "max_length": m["max_length"],
+            "deepspec": {"format": FORMAT, "format_version": FORMAT_VERSION, "sample_ids_file": SAMPLE_IDS_FILE,
+                         "target": m["target"], "dtype": m["dtype"], "layers": [i for i in m["layers"] if i in order]},
+        }
+        tmp = out / "manifest.json.tmp"
+        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        os.replace(tmp, out / "manifest.json")  # last: until it exists the directory is not a cache
+    except BaseException:
+        shards.close()
+        _remove_partial(out, created, shards)
+        raise
+    return {"dir": str(out), "samples": len(ds), "tokens": tokens, "shards": shards.shard + 1,
+            "target_layer_ids": order, "hidden_dtype": "bfloat16", "source_dtype": m["dtype"],
+            "target_model_name_or_path": manifest["target_model_name_or_path"]}
+
+
+def _default_target_name(m: dict) -> str:
+    """The name an imported cache came with, else one naming the target identity (the reference
+    trainer then refuses it until the field is set to its config's model path: --target-name)."""
+    imported = m.get("imported_from")
+    if isinstance(imported, dict) and imported.get("target_model_name_or_path"):
+        return str(imported["target_model_name_or_path"])
+    return f"deepspec-target:{m['target'].get('id')}"
+
+
+def _remove_partial(out: Path, created: bool, shards: _ShardWriter) -> None:
+    names = ["samples.idx", SAMPLE_IDS_FILE, "manifest.json.tmp"] + \
+            [shards.file_name(s) for s in range(shards.shard + 1)]
+    for name in names:
+        (out / name).unlink(missing_ok=True)
+    if created:
+        try:
+            out.rmdir()
+        except OSError:
+            pass
