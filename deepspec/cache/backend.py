@@ -133,6 +133,7 @@ class ArrayLayout:
     row_bytes: int = 0
     checksum: str = "crc32c"             # per-chunk trailer: "crc32c" (Zarr) or "fletcher32" (HDF5)
     table: np.ndarray | None = None      # [n_chunks, 2] (offset, nbytes), trailer included
+    crcs: np.ndarray | None = None       # HDF5: crc32c of each chunk's bytes before its trailer
     name: str = ""                       # "parts/<part>: <array>", for error messages
 
 

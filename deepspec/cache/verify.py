@@ -57,6 +57,7 @@ def verify(url: str, storage_options: dict | None = None) -> dict:
     reader = CacheReader(url, storage_options, verify=True)
     store = reader.store
     shards = reader._process_state()[3]
+    shards.strict = True  # every checksum a chunk has (HDF5: the table's crc32c and its Fletcher-32)
     seen: set[int] = set()
     chunks = 0
     for p, entry in enumerate(reader.entries):
