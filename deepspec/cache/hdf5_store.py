@@ -59,9 +59,17 @@ def write_part_file(path: str, arrays: list[ArraySpec], attrs: dict) -> list[int
             data = np.ascontiguousarray(spec.data)
             rows = max(data.shape[0], 1)
             chunks = (min(spec.chunk_rows, rows),) + data.shape[1:]
+            dcpl = None
+            if spec.codec == "none":
+                # chunks allocated when the dataset is created: back to back in row order. Allocated
+                # as they are written, a dataset's later chunks can land tens of MB away (after other
+                # datasets' data), which costs an extra request per sample on an object store.
+                dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+                dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+                dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # every chunk is written right after
             # track_times off: the same part written twice is byte-identical (resume repeats a build)
             d = f.create_dataset(spec.name, data=data, chunks=chunks, fletcher32=True, track_times=False,
-                                 **h5_compression(spec.codec))
+                                 dcpl=dcpl, **h5_compression(spec.codec))
             dsets.append((spec, d, chunks[0]))
         f.flush()
         raw = os.open(path, os.O_RDONLY)
