@@ -44,7 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("--codec", choices=["none", "blosc-zstd", "blosc-lz4"], default=defaults.codec)
     imp.add_argument("--chunk-tokens", type=int, default=defaults.chunk_tokens)
     imp.add_argument("--part-tokens", type=int, default=defaults.part_tokens)
+    imp.add_argument("--format", dest="storage", choices=["zarr", "hdf5"], default=defaults.format,
+                     help="backend of the new store")
     imp.add_argument("--storage-options", help="JSON dict passed to fsspec (e.g. endpoint_url)")
+    conv = cmds.add_parser("convert", help="a store -> the same store in another backend (zarr <-> hdf5)")
+    conv.add_argument("src", help="store path or s3://bucket/path")
+    conv.add_argument("dst", help="new store path or s3://bucket/path")
+    conv.add_argument("--format", dest="storage", choices=["zarr", "hdf5"],
+                      help="backend of the new store (default: the other one)")
+    conv.add_argument("--codec", choices=["none", "blosc-zstd", "blosc-lz4"], help="default: the source's")
+    conv.add_argument("--storage-options", help="JSON dict passed to fsspec (e.g. endpoint_url)")
     exp = cmds.add_parser("export-reference", help="a store -> a reference (DeepSpec) target cache directory")
     exp.add_argument("src", help="store path or s3://bucket/path")
     exp.add_argument("dir", help="new local directory")
@@ -93,7 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "import-reference":
             out = reference.import_reference(args.dir, args.dst, args.target, args.codec, args.chunk_tokens,
                                              args.part_tokens, defaults.shard_bytes,
-                                             _storage_options(args.storage_options))
+                                             _storage_options(args.storage_options), args.storage)
+        elif args.cmd == "convert":
+            from deepspec.cache.convert import convert
+
+            out = convert(args.src, args.dst, args.storage, args.codec,
+                          storage_options=_storage_options(args.storage_options))
         elif args.cmd == "export-reference":
             out = reference.export_reference(args.src, args.dir, args.layers, args.target_name, args.shard_bytes,
                                              _storage_options(args.storage_options))

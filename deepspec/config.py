@@ -98,6 +98,7 @@ class RegenConfig:
 class CacheConfig:
     launcher: str = "python"          # the stage's command prefix, e.g. "torchrun --nproc-per-node 8"
     url: str = "data/cache.zarr"
+    format: Literal["zarr", "hdf5"] = "zarr"
     dtype: Literal["bfloat16", "fp8"] = "bfloat16"
     codec: Literal["none", "blosc-zstd", "blosc-lz4"] = "none"
     max_length: int = _f(1024, ge=8)

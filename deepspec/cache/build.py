@@ -1,4 +1,4 @@
-"""The `cache` stage: regen rows -> target forward passes -> Zarr parts.
+"""The `cache` stage: regen rows -> target forward passes -> store parts (Zarr or HDF5).
 
 Part boundaries are a pure function of the rows still to do (greedy packing in input order up to
 `cache.part_tokens`), so after a crash the rerun produces exactly the parts an uninterrupted run
@@ -121,6 +121,7 @@ def cache_manifest(cfg: CacheConfig, layers: list[int], ident: dict) -> dict:
         "max_length": cfg.max_length,
         "chunk_tokens": cfg.chunk_tokens,
         "hidden_size": ident["hidden_size"],
+        "storage": cfg.format,
         "bytes_per_token": bytes_per_token(ident["hidden_size"], len(layers), cfg.dtype),
     }
 

@@ -1,7 +1,8 @@
 """The cache store's on-disk vocabulary (normative spec: docs/cache-format.md).
 
-A store is a Zarr v3 group. Its attributes are the manifest; data lives in immutable *parts*
-(`parts/<name>/`), each a group holding one token-major CSR slice of the samples:
+A store is a Zarr v3 group (its attributes are the manifest) or, with `cache.format: hdf5`, a
+`manifest.json` beside one HDF5 file per part (backend.py, hdf5_store.py). Data lives in immutable
+*parts* (`parts/<name>/` or `parts/<name>.h5`), each holding one token-major CSR slice of the samples:
 
     offsets      int64  [n+1]    token offsets of the part's samples (offsets[0] == 0)
     sample_id    uint64 [n]      the split/regen row id (16 hex digits) as an integer
@@ -11,7 +12,8 @@ A store is a Zarr v3 group. Its attributes are the manifest; data lives in immut
     last_hidden  uint16 [t, H]   (post-norm)          | uint8 [t, H]
     scale/<name> float32 [t]     per-token scale, 8-bit mode only (<name> = layer id or "last")
 
-Every array is one shard (one file) of small inner chunks, each chunk followed by its crc32c.
+Zarr: every array is one shard (one file) of small inner chunks, each chunk followed by its crc32c.
+HDF5: every array is a chunked dataset with a Fletcher-32 per chunk (docs/cache-format.md §11).
 """
 from __future__ import annotations
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from deepspec.cache.backend import ArrayLayout, CacheStore, PartEntry, fletcher32_matches, open_cache
 from deepspec.cache.format import CacheFormatError, hidden_name, scale_name
-from deepspec.cache.store import is_remote, open_root, read_manifest, storage_options_for
+from deepspec.cache.store import is_remote, storage_options_for
 
 from crc32c import crc32c as _crc32c
 
@@ -29,19 +30,10 @@ class ChecksumError(CacheFormatError):
     pass
 
 
-@dataclass
-class ShardLayout:
-    """What the fast path needs to know about one array (= one shard file)."""
-    key: str                 # store key of the shard file
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    chunk_rows: int
-    n_chunks: int
-    blosc: bool
-    row_bytes: int = 0
+ShardLayout = ArrayLayout  # the name verify and older callers use
 
 
-def _parse_layout(path: str, meta: dict) -> ShardLayout | None:
+def _parse_layout(path: str, meta: dict) -> ArrayLayout | None:
     """The shard layout the writer produces, or None if this array is anything else."""
     codecs = meta.get("codecs") or []
     if len(codecs) != 1 or codecs[0]["name"] != "sharding_indexed":
@@ -64,7 +56,7 @@ def _parse_layout(path: str, meta: dict) -> ShardLayout | None:
     if meta.get("chunk_key_encoding", {}).get("name", "default") != "default":
         return None
     key = f"{path}/c" + sep + sep.join("0" for _ in meta["shape"])
-    return ShardLayout(key=key, dtype=dtype, shape=tuple(meta["shape"]), chunk_rows=chunk[0],
+    return ArrayLayout(key=key, dtype=dtype, shape=tuple(meta["shape"]), chunk_rows=chunk[0],
                        n_chunks=shard_shape[0] // chunk[0], blosc=len(inner) == 3,
                        row_bytes=dtype.itemsize * int(np.prod(meta["shape"][1:], dtype=np.int64)))
 
@@ -130,15 +122,23 @@ class _Files:
 class ShardReader:
     """Row ranges of single-shard arrays, read and checked without zarr-python on the hot path."""
 
-    def __init__(self, files: _Files, verify: bool = True):
+    def __init__(self, files: _Files, verify: bool = True, strict: bool = False):
         self.files = files
         self.verify = verify
+        # strict (`deepspec cache verify`): an HDF5 chunk's own Fletcher-32 is checked as well as
+        # the crc32c recorded for it in the chunk table
+        self.strict = strict
         self._index: dict[str, np.ndarray] = {}
         self._dense: dict[str, bool] = {}  # every chunk present and stored back to back, in order
 
-    def index(self, layout: ShardLayout) -> np.ndarray:
-        idx = self._index.get(layout.key)
-        if idx is None:
+    def index(self, layout: ArrayLayout) -> np.ndarray:
+        idx = self._index.get(layout.key) if layout.table is None else self._index.get(layout.name)
+        if idx is None and layout.table is not None:  # recorded when the part committed (HDF5)
+            idx = self._index[layout.name] = layout.table
+            row = layout.chunk_rows * layout.row_bytes + 4
+            self._dense[layout.name] = bool(len(idx) and (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all()
+                                            and (idx[:, 1] == row).all())
+        elif idx is None:
             nbytes = 16 * layout.n_chunks + 4
             size = self.files.size(layout.key)
             raw = self.files.read(layout.key, size - nbytes, size)
@@ -151,17 +151,25 @@ class ShardReader:
                                            (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all())
         return idx
 
-    def _decode(self, layout: ShardLayout, payload: memoryview, chunk: int) -> np.ndarray:
+    def _decode(self, layout: ArrayLayout, payload: memoryview, chunk: int) -> np.ndarray:
         body = payload[:-4]
-        if self.verify and _crc32c(body) != int.from_bytes(payload[-4:], "little"):
-            raise ChecksumError(f"{layout.key}: chunk {chunk} checksum mismatch (corrupt bytes)")
+        if self.verify:
+            if layout.crcs is not None:  # HDF5: crc32c from the chunk table (+ Fletcher-32 when strict)
+                ok = _crc32c(body) == int(layout.crcs[chunk])
+                ok = ok and (not self.strict or fletcher32_matches(body, bytes(payload[-4:])))
+            elif layout.checksum == "fletcher32":
+                ok = fletcher32_matches(body, bytes(payload[-4:]))
+            else:
+                ok = _crc32c(body) == int.from_bytes(payload[-4:], "little")
+            if not ok:
+                raise ChecksumError(f"{layout.name or layout.key}: chunk {chunk} checksum mismatch (corrupt bytes)")
         if layout.blosc:
             from numcodecs import blosc
 
             body = blosc.decompress(bytes(body))
         return np.frombuffer(body, dtype=layout.dtype)
 
-    def read_rows(self, layout: ShardLayout, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+    def read_rows(self, layout: ArrayLayout, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows [start, stop) into `out` (a new array when None)."""
         row_shape = layout.shape[1:]
         if out is None:
@@ -170,15 +178,25 @@ class ShardReader:
             return out
         c0, c1 = start // layout.chunk_rows, (stop - 1) // layout.chunk_rows
         idx = self.index(layout)
-        if (self._dense[layout.key] and not layout.blosc and not self.files.remote and out.flags.c_contiguous
-                and layout.dtype.isnative):
-            return self._scatter(layout, start, stop, c0, c1, int(idx[c0, 0]), out)
         offs, sizes = idx[c0:c1 + 1, 0], idx[c0:c1 + 1, 1]
+        if (not layout.blosc and not self.files.remote and out.flags.c_contiguous and layout.dtype.isnative
+                and not (self.verify and layout.checksum == "fletcher32"
+                         and (self.strict or layout.crcs is None))):
+            dense = self._dense[layout.name if layout.table is not None else layout.key]
+            gaps = None
+            if not dense and layout.table is not None:  # HDF5 puts a few KB of metadata after a chunk or two
+                gaps = offs[1:].astype(np.int64) - (offs[:-1] + sizes[:-1]).astype(np.int64)
+                full = layout.chunk_rows * layout.row_bytes + 4
+                dense = bool((sizes == full).all() and (gaps >= 0).all() and gaps.sum() <= (64 << 10))
+            if dense:
+                return self._scatter(layout, start, stop, c0, c1, int(idx[c0, 0]), out, gaps)
         if (offs == EMPTY).any():
-            raise CacheFormatError(f"{layout.key}: chunks {c0}..{c1} include an unwritten chunk")
-        contiguous = bool(np.all(offs[1:] == offs[:-1] + sizes[:-1]))
-        base, end = int(offs[0]), int(offs[-1] + sizes[-1])
-        buf = memoryview(self.files.read(layout.key, base, end)) if contiguous else None
+            raise CacheFormatError(f"{layout.name or layout.key}: chunks {c0}..{c1} include an unwritten chunk")
+        base, end = int(offs.min()), int((offs + sizes).max())
+        # one range for the whole run of chunks, also across small gaps (HDF5 may place a few KB of
+        # metadata between two chunks): one request beats several on an object store
+        together = end - base <= int(sizes.sum()) + (64 << 10)
+        buf = memoryview(self.files.read(layout.key, base, end)) if together else None
         per_chunk = layout.chunk_rows
         for k, c in enumerate(range(c0, c1 + 1)):
             off, size = int(offs[k]), int(sizes[k])
@@ -189,11 +207,13 @@ class ShardReader:
             out[lo - start:hi - start] = values[lo - c * per_chunk:hi - c * per_chunk]
         return out
 
-    def _scatter(self, layout: ShardLayout, start: int, stop: int, c0: int, c1: int, base: int,
-                 out: np.ndarray) -> np.ndarray:
+    def _scatter(self, layout: ArrayLayout, start: int, stop: int, c0: int, c1: int, base: int,
+                 out: np.ndarray, gaps: np.ndarray | None = None) -> np.ndarray:
         """Uncompressed local chunks: one preadv puts the requested rows straight into `out`
-        (rows of the first/last chunk outside the range and the crc32c trailers go to scratch),
-        then every chunk's checksum is computed over exactly the bytes the file holds."""
+        (rows of the first/last chunk outside the range, the checksum trailers and any bytes
+        between two chunks (`gaps`) go to scratch),
+        then every chunk's crc32c is computed over exactly the bytes the file holds and compared
+        with its trailer (Zarr) or with the chunk table's crc32c (HDF5, whose trailer is Fletcher-32)."""
         C = layout.chunk_rows
         row_bytes = layout.row_bytes
         dst = memoryview(out.reshape(-1).view(np.uint8))
@@ -205,9 +225,13 @@ class ShardReader:
         crc_view = memoryview(crcs)
         iov, spans = [], []
         pos = 0  # byte position within `dst`
+        skipped = 0
         for k, c in enumerate(range(c0, c1 + 1)):
             lo, hi = max(start, c * C), min(stop, (c + 1) * C)
             n = (hi - lo) * row_bytes
+            if k and gaps is not None and gaps[k - 1]:
+                iov.append(memoryview(bytearray(int(gaps[k - 1]))))
+                skipped += int(gaps[k - 1])
             parts = []
             if k == 0 and lead_rows:
                 parts.append(memoryview(lead))
@@ -218,7 +242,7 @@ class ShardReader:
             iov += parts
             iov.append(crc_view[4 * k:4 * k + 4])
             spans.append(parts)
-        want = (c1 - c0 + 1) * (C * row_bytes + 4)  # dense, uncompressed: every chunk is full size + crc
+        want = (c1 - c0 + 1) * (C * row_bytes + 4) + skipped  # uncompressed: every chunk is full size + trailer
         got = os.preadv(self.files._fd(layout.key), iov, base)
         if got != want:
             raise CacheFormatError(f"{layout.key}: short read ({got} of {want} bytes at {base})")
@@ -227,13 +251,16 @@ class ShardReader:
                 crc = 0
                 for p in parts:  # the first/last chunk is split between scratch and `out`
                     crc = _crc32c(p, crc)
-                if crc != int.from_bytes(crcs[4 * k:4 * k + 4], "little"):
-                    raise ChecksumError(f"{layout.key}: chunk {c0 + k} checksum mismatch (corrupt bytes)")
+                want = int(layout.crcs[c0 + k]) if layout.crcs is not None else \
+                    int.from_bytes(crcs[4 * k:4 * k + 4], "little")
+                if crc != want:
+                    raise ChecksumError(f"{layout.name or layout.key}: chunk {c0 + k} checksum mismatch (corrupt bytes)")
         return out
 
 
 class CacheReader:
-    """Random access to samples across all committed parts of a store, in manifest order.
+    """Random access to samples across all committed parts of a store, in manifest order, whichever
+    backend holds it (backend.open_cache).
 
     Picklable and fork-safe: the store is opened lazily in whichever process first reads.
     """
@@ -245,22 +272,24 @@ class CacheReader:
         self.cache_dir = cache_dir
         self.verify = verify
         self.fast = fast
-        root = open_root(url, "r", storage_options)
-        self.manifest = read_manifest(root, url)
+        self.store: CacheStore = open_cache(url, storage_options)
+        self.manifest = self.store.read_manifest()
         if expect:
             from deepspec.cache.writer import manifest_mismatch
 
             why = manifest_mismatch(self.manifest, dict(self.manifest, **expect))
             if why:
                 raise CacheFormatError(f"{url}: cache does not match what this run expects ({why})")
-        self.parts = [p["name"] for p in self.manifest["parts"]]
-        counts = np.array([p["samples"] for p in self.manifest["parts"]], dtype=np.int64)
+        self.entries: list[PartEntry] = list(self.manifest.parts)
+        self.parts = [p.name for p in self.entries]
+        counts = np.array([p.samples for p in self.entries], dtype=np.int64)
         self.part_start = np.concatenate([[0], np.cumsum(counts)])
-        self.layers = list(self.manifest["layers"])
-        self.dtype = self.manifest["dtype"]
-        self._offsets = [self._read_small(root, f"parts/{p}/offsets") for p in self.parts]
-        self._ids = [self._read_small(root, f"parts/{p}/sample_id") for p in self.parts]
-        self._state = None  # (pid, root, files, shard reader, layouts) per process
+        self.layers = list(self.manifest.layers)
+        self.dtype = self.manifest.dtype
+        self.storage = self.manifest.storage
+        self._state = None  # (pid, store, files, shard reader, layouts) per process
+        self._offsets = [self.read_array(p, "offsets", 0, e.samples + 1) for p, e in enumerate(self.entries)]
+        self._ids = [self.read_array(p, "sample_id", 0, e.samples) for p, e in enumerate(self.entries)]
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -270,16 +299,11 @@ class CacheReader:
     def __len__(self) -> int:
         return int(self.part_start[-1])
 
-    @staticmethod
-    def _read_small(root, path: str) -> np.ndarray:
-        return np.asarray(root[path][...])
-
     def _process_state(self):
         pid = os.getpid()
         if self._state is None or self._state[0] != pid:
-            root = open_root(self.url, "r", self.storage_options)
             files = _Files(self.url, self.storage_options, self.cache_dir)
-            self._state = (pid, root, files, ShardReader(files, self.verify), {})
+            self._state = (pid, self.store, files, ShardReader(files, self.verify), {})
         return self._state
 
     def lengths(self) -> np.ndarray:
@@ -300,24 +324,22 @@ class CacheReader:
         offsets = self._offsets[part]
         return part, int(offsets[local]), int(offsets[local + 1])
 
-    def _layout(self, part: int, name: str) -> ShardLayout | None:
-        _, root, _, _, layouts = self._process_state()
+    def _layout(self, part: int, name: str) -> ArrayLayout | None:
+        _, store, _, _, layouts = self._process_state()
         path = f"parts/{self.parts[part]}/{name}"
         if path not in layouts:
-            try:
-                meta = root[path].metadata.to_dict()
-            except KeyError:
-                raise CacheFormatError(f"{self.url}: array {path} is missing") from None
-            layouts[path] = _parse_layout(path, meta) if self.fast else None
+            layouts[path] = store.layout(self.entries[part], name) if self.fast else None
         return layouts[path]
 
     def read_array(self, part: int, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows [start, stop) of one array of one part (into `out` when given)."""
-        _, root, _, shards, _ = self._process_state()
+        _, store, _, shards, _ = self._process_state()
         layout = self._layout(part, name)
         if layout is not None:
+            if stop > layout.shape[0]:
+                raise CacheFormatError(f"{layout.name or layout.key}: rows {start}..{stop} past its {layout.shape[0]} rows")
             return shards.read_rows(layout, start, stop, out)
-        values = np.asarray(root[f"parts/{self.parts[part]}/{name}"][start:stop])
+        values = store.read_slow(self.entries[part], name, start, stop)
         if out is None:
             return values
         out[...] = values

@@ -265,18 +265,16 @@ def _store_layers(ref: ReferenceCache) -> list[int]:
 
 
 def _refuse_existing(url: str, storage_options: dict | None) -> None:
-    from deepspec.cache.store import is_remote, open_root
+    from deepspec.cache.backend import detect
+    from deepspec.cache.store import is_remote
 
     if not is_remote(url):
         path = Path(url.removeprefix("file://"))
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise CacheFormatError(f"{url}: already exists and is not empty; import writes a new store")
         return
-    try:
-        open_root(url, "r", storage_options)
-    except CacheFormatError:
-        return
-    raise CacheFormatError(f"{url}: already holds a store; import writes a new store")
+    if detect(url, storage_options) is not None:
+        raise CacheFormatError(f"{url}: already holds a store; import writes a new store")
 
 
 def plan_parts(seq_len: np.ndarray, part_tokens: int) -> list[tuple[int, int]]:
@@ -323,8 +321,8 @@ def _read_part(ref: ReferenceCache, records: np.ndarray, name: str, sample_ids: 
 
 def import_reference(src: str | Path, dst: str, target_dir: str | Path | None = None, codec: str = "none",
                      chunk_tokens: int = 64, part_tokens: int = 65536, shard_bytes: int = 512 * 2**20,
-                     storage_options: dict | None = None) -> dict:
-    """A reference cache directory -> a new store at `dst`. Everything is checked before the first
+                     storage_options: dict | None = None, storage: str = "zarr") -> dict:
+    """A reference cache directory -> a new store at `dst` (`storage`: "zarr" or "hdf5"). Everything is checked before the first
     part is written; parts are read one at a time (the writer holds at most one more)."""
     from deepspec.cache.writer import CacheWriter
 
@@ -347,7 +345,7 @@ def import_reference(src: str | Path, dst: str, target_dir: str | Path | None = 
     manifest = {
         "target": ident, "layers": layers, "dtype": dtype, "codec": codec, "max_length": max_length,
         "chunk_tokens": chunk_tokens, "hidden_size": ref.hidden_size,
-        "bytes_per_token": bytes_per_token(ref.hidden_size, len(layers), dtype),
+        "bytes_per_token": bytes_per_token(ref.hidden_size, len(layers), dtype), "storage": storage,
         "imported_from": {
             "format": "deepspec-reference-target-cache", "version": REF_VERSION, "hidden_dtype": ref.hidden_dtype,
             "target_model_name_or_path": ref.manifest.get("target_model_name_or_path"),
@@ -367,7 +365,8 @@ def import_reference(src: str | Path, dst: str, target_dir: str | Path | None = 
     finally:
         ref.close()
     return {"url": dst, "samples": ref.num_samples, "tokens": int(seq_len.sum()), "parts": len(plan),
-            "layers": layers, "dtype": dtype, "hidden_size": ref.hidden_size, "target_identity": ident_from,
+            "layers": layers, "dtype": dtype, "storage": storage, "hidden_size": ref.hidden_size,
+            "target_identity": ident_from,
             "sample_ids": ids_from}
 
 

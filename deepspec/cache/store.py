@@ -190,6 +190,8 @@ def content_of(manifest: dict) -> dict:
     content = {k: manifest.get(k) for k in CONTENT_KEYS}
     content["format_version"] = manifest.get("format_version", FORMAT_VERSION)
     content["target"] = {k: v for k, v in sorted((manifest.get("target") or {}).items()) if k != "id"}
+    if manifest.get("storage", "zarr") != "zarr":  # absent for Zarr, so Zarr stores keep their names
+        content["storage"] = manifest["storage"]
     return content
 
 
@@ -205,7 +207,8 @@ def store_key(manifest: dict) -> str:
     layers = ".".join("emb" if int(i) == -1 else str(int(i)) for i in manifest["layers"])
     dtype = {"bfloat16": "bf16"}.get(manifest["dtype"], manifest["dtype"])
     codec = "" if manifest.get("codec", "none") == "none" else "-" + manifest["codec"].removeprefix("blosc-")
-    return f"{target}-L{layers}-{dtype}{codec}-{fingerprint(content_of(manifest))[:12]}"
+    storage = "-h5" if manifest.get("storage", "zarr") == "hdf5" else ""
+    return f"{target}-L{layers}-{dtype}{codec}{storage}-{fingerprint(content_of(manifest))[:12]}"
 
 
 def store_url(url: str, manifest: dict) -> str:
@@ -218,18 +221,28 @@ def store_url(url: str, manifest: dict) -> str:
     return f"{url.rstrip('/')}/{store_key(manifest)}"
 
 
-def check_lake(url: str, storage_options: dict | None = None) -> None:
-    """A lake must not itself be a store (a cache.url written before lakes existed)."""
+def _root_manifest(fs, root: str) -> dict | None:
+    """The manifest JSON at a store root of either backend (Zarr: root zarr.json attributes; HDF5:
+    manifest.json), or None."""
     import json
 
+    for name in ("zarr.json", "manifest.json"):
+        try:
+            meta = json.loads(fs.cat_file(f"{root.rstrip('/')}/{name}"))
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError):
+            continue
+        if not isinstance(meta, dict):
+            continue
+        return (meta.get("attributes") or {}) if name == "zarr.json" else meta
+    return None
+
+
+def check_lake(url: str, storage_options: dict | None = None) -> None:
+    """A lake must not itself be a store (a cache.url written before lakes existed)."""
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(url, **storage_options_for(url, storage_options))
-    try:
-        meta = json.loads(fs.cat_file(f"{root.rstrip('/')}/zarr.json"))
-    except FileNotFoundError:
-        return
-    attrs = meta.get("attributes") or {}
+    attrs = _root_manifest(fs, root) or {}
     if attrs.get("format") != FORMAT:
         return
     parent = url.rstrip("/").rsplit("/", 1)[0]
@@ -240,9 +253,7 @@ def check_lake(url: str, storage_options: dict | None = None) -> None:
 
 
 def list_stores(url: str, storage_options: dict | None = None) -> list[dict]:
-    """The stores directly under a lake prefix: {"url", "layers", "dtype", "codec", "samples", "tokens"}."""
-    import json
-
+    """The stores directly under a lake prefix: {"url", "layers", "dtype", "codec", "storage", "samples", "tokens"}."""
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(url, **storage_options_for(url, storage_options))
@@ -250,14 +261,11 @@ def list_stores(url: str, storage_options: dict | None = None) -> list[dict]:
     out = []
     for child in sorted(fs.ls(root, detail=False)):
         name = child.rstrip("/").rsplit("/", 1)[-1]
-        try:
-            attrs = json.loads(fs.cat_file(f"{child.rstrip('/')}/zarr.json")).get("attributes") or {}
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError):
-            continue
+        attrs = _root_manifest(fs, child) or {}
         if attrs.get("format") != FORMAT:
             continue
         out.append({"url": f"{url.rstrip('/')}/{name}", "layers": attrs.get("layers"), "dtype": attrs.get("dtype"),
-                    "codec": attrs.get("codec"), "samples": attrs.get("num_samples"),
+                    "codec": attrs.get("codec"), "storage": attrs.get("storage", "zarr"), "samples": attrs.get("num_samples"),
                     "tokens": attrs.get("num_tokens"), "target": (attrs.get("target") or {}).get("id")})
     return out
 

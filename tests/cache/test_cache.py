@@ -198,17 +198,19 @@ def test_unwritable_url_and_failed_part_leave_no_half_committed_part(tmp_path, t
         build_cache(CacheConfig(url=str(blocker / "cache.zarr")), LAYERS, work / "data/regen/train.jsonl",
                     work / "data/target")
     # a disk that fills up while the third part is written (no real component does this on demand)
-    real = CacheWriter._array
+    from deepspec.cache.zarr_store import ZarrStore
 
-    def flaky(self, group, name, data, chunk_rows):
+    real = ZarrStore._array
+
+    def flaky(self, group, name, data, chunk_rows, codec="none"):
         if name.startswith("hidden") and group.path.endswith("p000002"):
             raise OSError(28, "No space left on device")
-        return real(self, group, name, data, chunk_rows)
+        return real(self, group, name, data, chunk_rows, codec)
 
-    monkeypatch.setattr(CacheWriter, "_array", flaky)
+    monkeypatch.setattr(ZarrStore, "_array", flaky)
     with pytest.raises(CacheFormatError, match="No space left on device"):
         build(work, part_tokens=200)
-    monkeypatch.setattr(CacheWriter, "_array", real)
+    monkeypatch.setattr(ZarrStore, "_array", real)
     url = str(work / "data" / "cache.zarr")
     reader = CacheReader(url)
     assert [p["name"] for p in reader.manifest["parts"]] == ["p000000", "p000001"]

@@ -20,17 +20,19 @@ def store_files(url: str) -> dict[str, int]:
 
 def interrupted_build(work: Path, monkeypatch, fail_at: str = "p000003") -> str:
     """A build that stops while writing part `fail_at`: the parts before it are committed."""
-    real = CacheWriter._array
+    from deepspec.cache.zarr_store import ZarrStore
 
-    def failing(self, group, name, data, chunk_rows):
+    real = ZarrStore._array
+
+    def failing(self, group, name, data, chunk_rows, codec="none"):
         if name.startswith("hidden") and group.path.endswith(fail_at):
             raise OSError(5, "Input/output error")
-        return real(self, group, name, data, chunk_rows)
+        return real(self, group, name, data, chunk_rows, codec)
 
-    monkeypatch.setattr(CacheWriter, "_array", failing)
+    monkeypatch.setattr(ZarrStore, "_array", failing)
     with pytest.raises(Exception, match="Input/output error"):
         build(work, part_tokens=200)
-    monkeypatch.setattr(CacheWriter, "_array", real)
+    monkeypatch.setattr(ZarrStore, "_array", real)
     return str(work / "data" / "cache.zarr")
 
 

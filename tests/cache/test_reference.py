@@ -186,6 +186,19 @@ def test_export_then_import_round_trips_bitwise(small_cache, exported, tmp_path,
     TargetCacheDataset(str(tmp_path / "back.zarr"), expect={"target": load_identity(trained_target)})
 
 
+def test_import_writes_either_backend_and_an_hdf5_store_exports_the_same_directory(small_cache, exported,
+                                                                                    tmp_path):
+    out = import_reference(exported, str(tmp_path / "back.h5d"), storage="hdf5")
+    assert out["storage"] == "hdf5" and CacheReader(str(tmp_path / "back.h5d")).storage == "hdf5"
+    assert_same_samples(loader_samples(small_cache), loader_samples(tmp_path / "back.h5d"))
+    assert verify(str(tmp_path / "back.h5d"))["ok"]
+    export_reference(str(tmp_path / "back.h5d"), tmp_path / "again", shard_bytes=40_000)
+    for name in ["samples.idx", "deepspec_sample_ids.bin", *(p.name for p in exported.glob("shard-*.bin"))]:
+        assert (tmp_path / "again" / name).read_bytes() == (exported / name).read_bytes(), name
+    assert main(["cache", "import-reference", str(exported), str(tmp_path / "cli.h5d"), "--format", "hdf5"]) == 0
+    assert CacheReader(str(tmp_path / "cli.h5d")).storage == "hdf5"
+
+
 def test_unsorted_layers_export_ascending_and_come_back_in_store_order(small_cache, tmp_path):
     store = write_store(tmp_path / "unsorted.zarr", small_cache, [2, -1, 0], "bfloat16")
     export_reference(str(store), tmp_path / "ref")

@@ -1,0 +1,277 @@
+"""The store interface: what the writer, the reader, `verify`, `info` and the loader need from a backend.
+
+A backend (`zarr_store.ZarrStore`, `hdf5_store.HDF5Store`) knows its own layout on disk; everything
+above it (part packing, the lease, commit/resume/growth/multi-rank rules, the loader's byte-range
+fast path, checksums) is shared. `tests/cache/test_conformance.py` runs one suite against every
+backend. The manifest travels as a typed `Manifest`.
+"""
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import numpy as np
+
+from deepspec.cache.format import FORMAT, FORMAT_VERSION, CacheFormatError
+
+STORAGES = ("zarr", "hdf5")
+PART_NAME = re.compile(r"p\d{6}")
+
+
+@dataclass
+class PartEntry:
+    """One committed part as the manifest lists it. `chunk_index` (HDF5 only): byte offset, length
+    and crc32c of the part file's chunk table (docs/cache-format.md §11)."""
+    name: str
+    samples: int
+    tokens: int
+    chunk_index: list[int] | None = None
+
+    def to_dict(self) -> dict:
+        d = {"name": self.name, "samples": int(self.samples), "tokens": int(self.tokens)}
+        if self.chunk_index is not None:
+            d["chunk_index"] = [int(v) for v in self.chunk_index]
+        return d
+
+
+@dataclass
+class Manifest(Mapping):
+    """The root manifest (docs/cache-format.md §3). Keys this version does not know are kept in
+    `extra` and written back unchanged. Read-only mapping access (`m["layers"]`, `m.get(...)`) gives
+    the JSON form, for code that only reads fields."""
+    target: dict
+    layers: list[int]
+    dtype: str
+    codec: str = "none"
+    max_length: int = 0
+    chunk_tokens: int = 64
+    hidden_size: int = 0
+    bytes_per_token: int | None = None
+    storage: str = "zarr"
+    parts: list[PartEntry] = field(default_factory=list)
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+    extra: dict = field(default_factory=dict)
+
+    _KNOWN: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def num_samples(self) -> int:
+        return sum(p.samples for p in self.parts)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(p.tokens for p in self.parts)
+
+    @classmethod
+    def from_dict(cls, d: Mapping, url: str = "") -> "Manifest":
+        """A manifest as stored; refuses another format or version, naming the store."""
+        d = dict(d)
+        where = f"{url}: " if url else ""
+        if d.get("format", FORMAT) != FORMAT:
+            raise CacheFormatError(f"{where}not a deepspec cache (format attribute is {d.get('format')!r})")
+        if d.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
+            raise CacheFormatError(f"{where}format_version {d.get('format_version')} is not supported "
+                                   f"(this reader knows {FORMAT_VERSION})")
+        names = {f.name for f in fields(cls)} - {"extra"}
+        missing = [k for k in ("target", "layers", "dtype") if k not in d]
+        if missing:
+            raise CacheFormatError(f"{where}manifest lacks {missing}")
+        known = {k: d.pop(k) for k in list(d) if k in names}
+        d.pop("num_samples", None)
+        d.pop("num_tokens", None)
+        known["parts"] = [PartEntry(**p) for p in known.get("parts", [])]
+        known["layers"] = [int(i) for i in known["layers"]]
+        if known.get("storage", "zarr") not in STORAGES:
+            raise CacheFormatError(f"{where}unknown storage {known['storage']!r} (known: {list(STORAGES)})")
+        return cls(**known, extra=d)
+
+    def to_dict(self) -> dict:
+        d = dict(self.extra)
+        for f in fields(self):
+            if f.name in ("extra", "parts"):
+                continue
+            v = getattr(self, f.name)
+            if f.name == "storage" and v == "zarr":
+                continue  # a Zarr store's manifest is what it was before backends existed
+            if v is not None:
+                d[f.name] = v
+        d["parts"] = [p.to_dict() for p in self.parts]
+        d["num_samples"], d["num_tokens"] = self.num_samples, self.num_tokens
+        return d
+
+    def content(self) -> dict:
+        return {k: v for k, v in self.to_dict().items() if k not in ("parts", "num_samples", "num_tokens")}
+
+    # read-only mapping view of the JSON form
+    def __getitem__(self, key: str):
+        if key == "storage":
+            return self.storage
+        return self.to_dict()[key]
+
+    def __iter__(self):
+        return iter(self.to_dict())
+
+    def __len__(self) -> int:
+        return len(self.to_dict())
+
+
+@dataclass
+class ArrayLayout:
+    """What the byte-range fast path needs to know about one array of one part: the file holding it,
+    and where each chunk is. Zarr keeps the chunk table at the end of the shard file (read lazily,
+    `table is None`); HDF5 records it when the part commits (`table` given)."""
+    key: str                 # store key of the file holding the array
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    chunk_rows: int
+    n_chunks: int
+    blosc: bool
+    row_bytes: int = 0
+    checksum: str = "crc32c"             # per-chunk trailer: "crc32c" (Zarr) or "fletcher32" (HDF5)
+    table: np.ndarray | None = None      # [n_chunks, 2] (offset, nbytes), trailer included
+    crcs: np.ndarray | None = None       # HDF5: crc32c of each chunk's bytes before its trailer
+    name: str = ""                       # "parts/<part>: <array>", for error messages
+
+
+@dataclass
+class ArraySpec:
+    """One array a writer hands to a backend: its values and its chunking."""
+    name: str
+    data: np.ndarray
+    chunk_rows: int
+    codec: str = "none"
+
+
+class CacheStore(ABC):
+    """One store on local disk or an object store. Construction opens nothing expensive."""
+
+    kind: ClassVar[str]
+    layout_entries: ClassVar[frozenset[str]]  # what the store root holds besides the lease
+
+    def __init__(self, url: str, storage_options: dict | None = None, writable: bool = False):
+        from deepspec.cache.store import is_remote
+
+        self.url = url
+        self.storage_options = storage_options
+        self.remote = is_remote(url)
+        self.writable = writable
+
+    # ---- manifest ----------------------------------------------------------------------------
+    @abstractmethod
+    def root_attrs(self) -> dict:
+        """The stored manifest as raw JSON ({} when the store is new)."""
+
+    def read_manifest(self) -> Manifest:
+        attrs = self.root_attrs()
+        if attrs.get("format") != FORMAT:
+            raise CacheFormatError(f"{self.url}: not a deepspec cache (format attribute is {attrs.get('format')!r})")
+        return Manifest.from_dict(attrs, self.url)
+
+    @abstractmethod
+    def write_manifest(self, manifest: Manifest) -> None:
+        """Replace the root manifest in one atomic, durable step."""
+
+    # ---- listing, debris, damage (writers) ----------------------------------------------------
+    @abstractmethod
+    def refuse_foreign(self, keep: set[str]) -> None:
+        """Raise CacheFormatError unless the location is empty or holds this kind of cache."""
+
+    @abstractmethod
+    def prune_debris(self, keep: set[str]) -> None:
+        """Delete whatever an interrupted writer leaves: temp files, uncommitted parts, unknown entries."""
+
+    @abstractmethod
+    def committed_parts(self) -> dict[str, dict]:
+        """Committed part name -> {"samples", "tokens", "rank", ...}, by name."""
+
+    @abstractmethod
+    def part_damage(self, name: str, arrays: list[str]) -> str | None:
+        """Why a committed part of a local store cannot be trusted (cheap, no full read), or None."""
+
+    @abstractmethod
+    def delete_part(self, name: str) -> None: ...
+
+    @abstractmethod
+    def delete_all(self) -> None:
+        """Delete the store's manifest and every part (a stale local store, or a switch of backend)."""
+
+    @abstractmethod
+    def write_part(self, name: str, arrays: list[ArraySpec], attrs: dict, rank: int, lease) -> PartEntry:
+        """Create the part (never over an existing one: PartConflict), write every array, make it
+        durable and commit it; `lease.check()` is called right before the commit."""
+
+    # ---- reading -----------------------------------------------------------------------------
+    @abstractmethod
+    def layout(self, part: PartEntry, array: str) -> ArrayLayout | None:
+        """The fast path's view of an array, or None when it must be read through the library."""
+
+    @abstractmethod
+    def read_slow(self, part: PartEntry, array: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) through the backend's own library (zarr-python / h5py)."""
+
+    @abstractmethod
+    def array_rows(self, part: PartEntry, array: str) -> int: ...
+
+
+def detect(url: str, storage_options: dict | None = None) -> str | None:
+    """Which backend's store lives at `url` ("zarr", "hdf5"), or None when neither."""
+    import fsspec
+
+    from deepspec.cache.store import is_remote, local_path, storage_options_for
+
+    if not is_remote(url):
+        root = local_path(url)
+        for kind, marker in (("zarr", "zarr.json"), ("hdf5", "manifest.json")):
+            if (root / marker).exists():
+                return kind
+        return None
+    fs, root = fsspec.core.url_to_fs(url, **storage_options_for(url, storage_options))
+    for kind, marker in (("zarr", "zarr.json"), ("hdf5", "manifest.json")):
+        fs.invalidate_cache(root)
+        if fs.exists(f"{root.rstrip('/')}/{marker}"):
+            return kind
+    return None
+
+
+def backend_class(kind: str) -> type[CacheStore]:
+    if kind == "zarr":
+        from deepspec.cache.zarr_store import ZarrStore
+
+        return ZarrStore
+    if kind == "hdf5":
+        from deepspec.cache.hdf5_store import HDF5Store
+
+        return HDF5Store
+    raise CacheFormatError(f"unknown cache storage {kind!r} (known: {list(STORAGES)})")
+
+
+def open_cache(url: str, storage_options: dict | None = None) -> CacheStore:
+    """The store at `url`, read-only, whichever backend wrote it."""
+    kind = detect(url, storage_options)
+    if kind is None:
+        raise CacheFormatError(f"{url}: not a cache store (no zarr.json or manifest.json)")
+    return backend_class(kind)(url, storage_options, writable=False)
+
+
+def open_for_write(url: str, kind: str, storage_options: dict | None = None) -> CacheStore:
+    return backend_class(kind)(url, storage_options, writable=True)
+
+
+def fletcher32_matches(body, stored: bytes) -> bool:
+    """HDF5's Fletcher-32 (H5checksum.c) of `body` against the 4 stored bytes (little-endian).
+    Words are big-endian 16-bit pairs (an odd last byte is the high byte of a last word); sums are
+    mod 65535. HDF5 may store a zero sum as 0xffff, so both sides are compared mod 65535."""
+    b = np.frombuffer(body, dtype=np.uint8)
+    if len(b) % 2:
+        b = np.concatenate([b, np.zeros(1, np.uint8)])
+    w = b.view(">u2").astype(np.int64)
+    m = len(w)
+    s1 = int(w.sum()) % 65535
+    # sum2 = sum over i of the running sum1 = sum of w[i] * (m - i)
+    s2 = int(np.dot(w, np.arange(m, 0, -1, dtype=np.int64))) % 65535
+    value = int.from_bytes(stored, "little")
+    return ((value >> 16) % 65535, (value & 0xFFFF) % 65535) == (s2, s1)

@@ -1,0 +1,57 @@
+"""`deepspec cache convert SRC DST`: the same store in another backend (Zarr <-> HDF5).
+
+Part by part: every array of a source part is read whole (checksums on) and written, bits unchanged,
+as the part of the same name, so the destination has the same parts, packing, sample ids and
+manifest content; only `storage` (and, when asked, `codec`/`chunk_tokens`) differ. The loader then
+returns bitwise equal samples from both. Memory: one part (the writer holds at most one more).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from deepspec.cache.backend import STORAGES
+from deepspec.cache.format import CacheFormatError, hidden_name, scale_name
+from deepspec.cache.reader import CacheReader
+
+
+def convert(src: str, dst: str, storage: str | None = None, codec: str | None = None,
+            chunk_tokens: int | None = None, storage_options: dict | None = None,
+            dst_storage_options: dict | None = None) -> dict:
+    """Write `src` as a new store at `dst`; `storage` defaults to the other backend."""
+    from deepspec.cache.reference import _refuse_existing
+    from deepspec.cache.writer import CacheWriter, PartData
+
+    reader = CacheReader(src, storage_options, verify=True)
+    storage = storage or next(s for s in STORAGES if s != reader.storage)
+    if storage not in STORAGES:
+        raise CacheFormatError(f"unknown storage {storage!r} (known: {list(STORAGES)})")
+    dst_options = storage_options if dst_storage_options is None else dst_storage_options
+    _refuse_existing(dst, dst_options)
+    m = reader.manifest.content()
+    m["storage"] = storage
+    if codec is not None:
+        m["codec"] = codec
+    if chunk_tokens is not None:
+        m["chunk_tokens"] = chunk_tokens
+    fp8 = reader.dtype != "bfloat16"
+    writer = CacheWriter(dst, m, dst_options, queue_size=1, prune_stale=False)
+    try:
+        for p, entry in enumerate(reader.entries):
+            t = entry.tokens
+            hidden = {}
+            for layer in [*reader.layers, "last"]:
+                bits = reader.read_array(p, hidden_name(layer), 0, t)
+                hidden[layer] = (bits, reader.read_array(p, scale_name(layer), 0, t) if fp8 else None)
+            writer.submit(PartData(
+                name=entry.name, sample_ids=np.asarray(reader._ids[p], dtype=np.uint64),
+                lengths=np.diff(reader._offsets[p]).astype(np.int64),
+                input_ids=reader.read_array(p, "input_ids", 0, t), loss_mask=reader.read_array(p, "loss_mask", 0, t),
+                hidden=hidden))
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        writer.release()
+    return {"src": src, "dst": dst, "storage": storage, "parts": len(reader.parts), "samples": len(reader),
+            "tokens": int(reader.manifest.num_tokens)}

@@ -1,0 +1,360 @@
+"""The HDF5 backend (docs/cache-format.md §11): `manifest.json` + one `parts/<part>.h5` file per part.
+
+A part file holds the same arrays, dtypes and CSR layout as a Zarr part, each a chunked dataset
+with HDF5's Fletcher-32 checksum per chunk (after the Blosc filter when a codec is set). The file is
+written complete to a temporary file, fsynced, and committed by creating its final name (a hard
+link on a filesystem, a conditional `If-None-Match: *` upload on S3), so a part file that exists is
+committed and is never rewritten. When the part is written its chunk table (every dataset's chunk
+(offset, nbytes)) is stored inside the file as a plain contiguous dataset `chunk_index`, whose byte
+range and crc32c the manifest records: a reader then fetches a sample with byte ranges, without
+h5py, exactly as it reads a Zarr shard.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import uuid
+from functools import lru_cache
+
+import numpy as np
+from crc32c import crc32c
+
+from deepspec.cache.backend import (PART_NAME, ArrayLayout, ArraySpec, CacheStore, Manifest, PartEntry,
+                                    fletcher32_matches)
+from deepspec.cache.format import BLOSC, FORMAT, CacheFormatError
+from deepspec.cache.store import PartConflict, _durable_replace, fsync_path, local_path, storage_options_for
+
+log = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.json"
+SUFFIX = ".h5"
+INDEX_DATASET = "chunk_index"
+
+
+def h5_compression(codec: str) -> dict:
+    """h5py create_dataset keywords of a codec (hdf5plugin's Blosc filter, id 32001)."""
+    if codec == "none":
+        return {}
+    if codec not in BLOSC:
+        raise CacheFormatError(f"unknown codec {codec!r}")
+    import hdf5plugin
+
+    cfg = BLOSC[codec]
+    shuffle = {"shuffle": hdf5plugin.Blosc.SHUFFLE, "bitshuffle": hdf5plugin.Blosc.BITSHUFFLE}[cfg["shuffle"]]
+    return dict(hdf5plugin.Blosc(cname=cfg["cname"], clevel=cfg["clevel"], shuffle=shuffle))
+
+
+def write_part_file(path: str, arrays: list[ArraySpec], attrs: dict) -> list[int]:
+    """Write one complete part file; returns [offset, nbytes, crc32c] of its chunk table."""
+    import h5py
+
+    table: dict[str, dict] = {}
+    # v110 objects (HDF5 >= 1.10 reads them): fixed-array chunk indexes and compact headers, a
+    # fraction of the v1 B-trees the default "earliest" writes (~2 KB per dataset)
+    with h5py.File(path, "w", libver=("v110", "v110")) as f:
+        dsets = []
+        for spec in arrays:
+            data = np.ascontiguousarray(spec.data)
+            rows = max(data.shape[0], 1)
+            chunks = (min(spec.chunk_rows, rows),) + data.shape[1:]
+            dcpl = None
+            if spec.codec == "none":
+                # chunks allocated when the dataset is created: back to back in row order. Allocated
+                # as they are written, a dataset's later chunks can land tens of MB away (after other
+                # datasets' data), which costs an extra request per sample on an object store.
+                dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+                dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+                dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # every chunk is written right after
+            # track_times off: the same part written twice is byte-identical (resume repeats a build)
+            d = f.create_dataset(spec.name, data=data, chunks=chunks, fletcher32=True, track_times=False,
+                                 dcpl=dcpl, **h5_compression(spec.codec))
+            dsets.append((spec, d, chunks[0]))
+        f.flush()
+        raw = os.open(path, os.O_RDONLY)
+        for spec, d, chunk_rows in dsets:
+            entries: list[tuple[int, int, int, int]] = []
+            d.id.chunk_iter(lambda info: entries.append((info.chunk_offset[0], info.byte_offset, info.size,
+                                                         info.filter_mask)))
+            entries.sort()
+            table[spec.name] = {
+                "dtype": spec.data.dtype.newbyteorder("<").str, "shape": list(spec.data.shape),
+                "chunk_rows": chunk_rows, "blosc": spec.codec != "none",
+                "filtered": all(e[3] == 0 for e in entries),  # every chunk went through every filter
+                "chunks": [[e[1], e[2]] for e in entries],
+                # crc32c of each chunk's stored bytes (its trailing Fletcher-32 excluded): the loader
+                # checks these, at crc32c's hardware speed, instead of Fletcher-32 in numpy
+                "crc32c": [crc32c(os.pread(raw, e[2] - 4, e[1])) for e in entries],
+            }
+        os.close(raw)
+        blob = json.dumps(table, separators=(",", ":"), sort_keys=True).encode()
+        idx = f.create_dataset(INDEX_DATASET, data=np.frombuffer(blob, dtype=np.uint8), track_times=False)
+        f.flush()
+        where = [int(idx.id.get_offset()), len(blob), crc32c(blob)]
+        f.attrs.update({**attrs, "format": FORMAT, INDEX_DATASET: where})
+    return where
+
+
+class HDF5Store(CacheStore):
+    kind = "hdf5"
+    layout_entries = frozenset({MANIFEST_NAME, "parts"})
+
+    def __init__(self, url: str, storage_options: dict | None = None, writable: bool = False):
+        super().__init__(url, storage_options, writable)
+        self._fs = None
+        self._tables: dict[str, dict] = {}
+
+    def __getstate__(self):
+        return dict(self.__dict__, _fs=None, _tables={})
+
+    # ---- bytes -------------------------------------------------------------------------------
+    @property
+    def fs(self):
+        if self._fs is None:
+            import fsspec
+
+            self._fs, self._root = fsspec.core.url_to_fs(self.url, **storage_options_for(self.url, self.storage_options))
+        return self._fs
+
+    def _path(self, key: str) -> str:
+        if self.remote:
+            _ = self.fs
+            return f"{self._root.rstrip('/')}/{key}"
+        return str(local_path(self.url) / key)
+
+    def _cat(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        if self.remote:
+            return self.fs.cat_file(self._path(key), start=start, end=end)
+        with open(self._path(key), "rb") as f:
+            if start is None:
+                return f.read()
+            f.seek(start)
+            data = f.read(end - start)
+        if len(data) != end - start:
+            raise CacheFormatError(f"{key}: short read ({len(data)} of {end - start} bytes at {start})")
+        return data
+
+    def _list(self, prefix: str) -> list[str]:
+        if self.remote:
+            path = self._path(prefix).rstrip("/")
+            self.fs.invalidate_cache(path)
+            try:
+                return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False))
+            except FileNotFoundError:
+                return []
+        path = local_path(self.url) / prefix
+        return sorted(os.listdir(path)) if path.is_dir() else []
+
+    def _h5(self, name: str):
+        import h5py
+
+        if self.remote:
+            return h5py.File(self.fs.open(self._path(f"parts/{name}{SUFFIX}"), "rb"), "r")
+        return h5py.File(self._path(f"parts/{name}{SUFFIX}"), "r")
+
+    # ---- manifest ----------------------------------------------------------------------------
+    def root_attrs(self) -> dict:
+        try:
+            raw = self._cat(MANIFEST_NAME)
+        except FileNotFoundError:
+            if not self.writable:
+                raise CacheFormatError(f"{self.url}: not a cache store (no {MANIFEST_NAME})") from None
+            return {}
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise CacheFormatError(f"{self.url}/{MANIFEST_NAME}: not valid JSON") from None
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        data = json.dumps(manifest.to_dict(), indent=1, sort_keys=True).encode()
+        if self.remote:
+            self.fs.pipe_file(self._path(MANIFEST_NAME), data)
+            return
+        root = local_path(self.url)
+        root.mkdir(parents=True, exist_ok=True)
+        _durable_replace(root / MANIFEST_NAME, data)
+
+    # ---- listing, debris, damage -------------------------------------------------------------
+    def refuse_foreign(self, keep: set[str]) -> None:
+        names = self._list("")
+        others = [n for n in names if n not in self.layout_entries and n not in keep and not n.endswith(".partial")]
+        if MANIFEST_NAME in names:
+            try:
+                attrs = json.loads(self._cat(MANIFEST_NAME))
+            except ValueError:
+                attrs = {}
+            if isinstance(attrs, dict) and attrs.get("format") == FORMAT:
+                return
+        elif not others and "parts" not in names:
+            return
+        elif not others and all(n.endswith(SUFFIX) or n.endswith(".partial") for n in self._list("parts")):
+            return  # a store whose first manifest write was interrupted
+        raise CacheFormatError(f"{self.url}: exists and is not a deepspec cache ({', '.join(names[:5])}); "
+                               "refusing to write into it")
+
+    def _delete_key(self, key: str) -> None:
+        if self.remote:
+            try:
+                self.fs.rm(self._path(key), recursive=True)
+            except FileNotFoundError:
+                pass
+            return
+        import shutil
+
+        p = local_path(self.url) / key
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+
+    def prune_debris(self, keep: set[str]) -> None:
+        for name in self._list(""):
+            if name not in self.layout_entries and name not in keep:
+                log.info("%s: deleting %s (not part of a cache; left by an interrupted writer)", self.url, name)
+                self._delete_key(name)
+        for name in self._list("parts"):
+            if not (name.endswith(SUFFIX) and PART_NAME.fullmatch(name[:-len(SUFFIX)])):
+                log.info("%s: deleting parts/%s (a temporary file of an interrupted writer)", self.url, name)
+                self._delete_key(f"parts/{name}")
+
+    def committed_parts(self) -> dict[str, dict]:
+        out = {}
+        for entry in self._list("parts"):
+            if not (entry.endswith(SUFFIX) and PART_NAME.fullmatch(entry[:-len(SUFFIX)])):
+                continue
+            name = entry[:-len(SUFFIX)]
+            try:
+                with self._h5(name) as f:
+                    attrs = {k: (v.item() if hasattr(v, "item") and np.ndim(v) == 0 else v) for k, v in f.attrs.items()}
+                attrs[INDEX_DATASET] = [int(v) for v in attrs[INDEX_DATASET]]
+                attrs = {k: (int(v) if isinstance(v, (np.integer, bool, np.bool_)) else v) for k, v in attrs.items()}
+            except (OSError, KeyError, ValueError) as e:
+                # the name exists only after a commit: an unreadable file is a damaged committed part
+                attrs = {"committed": True, "samples": 0, "tokens": 0, "damaged": f"unreadable ({e.__class__.__name__})"}
+            out[name] = attrs
+        return dict(sorted(out.items()))
+
+    def part_damage(self, name: str, arrays: list[str]) -> str | None:
+        """Cheap: the file opens, its chunk table's crc32c holds, every array listed is in it, every
+        chunk lies inside the file, and the last chunk of every array passes its Fletcher-32."""
+        key = f"parts/{name}{SUFFIX}"
+        marks = self.committed_parts().get(name) or {}
+        if "damaged" in marks:
+            return f"{key}: {marks['damaged']}"
+        try:
+            table = self._table(PartEntry(name, 0, 0, marks.get(INDEX_DATASET)))
+            size = os.path.getsize(self._path(key))
+            for array in arrays:
+                if array not in table:
+                    return f"{key}: array {array} missing"
+                chunks = np.asarray(table[array]["chunks"], dtype=np.int64).reshape(-1, 2)
+                if len(chunks) == 0 or int((chunks[:, 0] + chunks[:, 1]).max()) > size:
+                    return f"{key}: {array}: chunks lie outside the file ({size} bytes)"
+                off, n = (int(v) for v in chunks[-1])
+                raw = self._cat(key, off, off + n)
+                if not fletcher32_matches(raw[:-4], raw[-4:]):
+                    return f"{key}: {array}: last chunk fails its checksum"
+        except (CacheFormatError, OSError, ValueError, KeyError) as e:
+            return f"{key}: {e}"
+        return None
+
+    def delete_part(self, name: str) -> None:
+        self._delete_key(f"parts/{name}{SUFFIX}")
+        self._tables.pop(name, None)
+
+    def delete_all(self) -> None:
+        self._delete_key("parts")
+        self._delete_key(MANIFEST_NAME)
+        self._tables.clear()
+
+    # ---- writing -----------------------------------------------------------------------------
+    def write_part(self, name: str, arrays: list[ArraySpec], attrs: dict, rank: int, lease) -> PartEntry:
+        key = f"parts/{name}{SUFFIX}"
+        if self.remote:  # h5py writes a local file; the part is uploaded whole
+            fd, tmp = tempfile.mkstemp(suffix=SUFFIX, prefix=f"deepspec-{name}-")
+            os.close(fd)
+        else:
+            parts = local_path(self.url) / "parts"
+            parts.mkdir(parents=True, exist_ok=True)
+            if (parts / f"{name}{SUFFIX}").exists():
+                raise PartConflict(f"{self.url}: {key} already exists; a committed part is never rewritten")
+            tmp = str(parts / f"{name}{SUFFIX}.{uuid.uuid4().hex}.partial")
+        try:
+            where = write_part_file(tmp, arrays, attrs)
+            if self.remote:
+                lease.check()  # never commit over the parts of a job that took the store over
+                try:  # If-None-Match: * (on CompleteMultipartUpload for a large file)
+                    self.fs.put_file(tmp, self._path(key), mode="create")
+                except OSError as e:
+                    code = getattr(e.__cause__, "response", {}).get("Error", {}).get("Code")
+                    if isinstance(e, FileExistsError) or code in ("PreconditionFailed", "412"):
+                        raise PartConflict(f"{self.url}: {key}: another writer created this part meanwhile; "
+                                           "not overwriting it") from None
+                    raise
+                finally:
+                    self.fs.invalidate_cache(self._path("parts"))
+            else:
+                fsync_path(tmp)
+                lease.check()
+                try:
+                    os.link(tmp, self._path(key))  # create-only and atomic: the commit
+                except FileExistsError:
+                    raise PartConflict(f"{self.url}: {key} already exists; a committed part is never "
+                                       "rewritten") from None
+                for p in (str(parts), str(parts.parent)):
+                    fsync_path(p)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return PartEntry(name, attrs["samples"], attrs["tokens"], where)
+
+    # ---- reading -----------------------------------------------------------------------------
+    def _table(self, part: PartEntry) -> dict:
+        table = self._tables.get(part.name)
+        if table is None:
+            where = part.chunk_index
+            if where is None:
+                with self._h5(part.name) as f:
+                    where = [int(v) for v in f.attrs[INDEX_DATASET]]
+            off, n, crc = (int(v) for v in where)
+            key = f"parts/{part.name}{SUFFIX}"
+            blob = self._cat(key, off, off + n)
+            if crc32c(blob) != crc:
+                raise CacheFormatError(f"{self.url}: {key}: chunk table checksum mismatch (corrupt bytes)")
+            table = self._tables[part.name] = json.loads(blob)
+        return table
+
+    def layout(self, part: PartEntry, array: str) -> ArrayLayout | None:
+        table = self._table(part)
+        if array not in table:
+            raise CacheFormatError(f"{self.url}: array {array} is missing from parts/{part.name}{SUFFIX}")
+        t = table[array]
+        if not t["filtered"]:
+            return None  # a chunk skipped a filter: read through h5py
+        dtype, shape = np.dtype(t["dtype"]), tuple(t["shape"])
+        chunks = np.asarray(t["chunks"], dtype=np.uint64).reshape(-1, 2)
+        return ArrayLayout(key=f"parts/{part.name}{SUFFIX}", dtype=dtype, shape=shape, chunk_rows=t["chunk_rows"],
+                           n_chunks=len(chunks), blosc=t["blosc"],
+                           row_bytes=dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64)),
+                           checksum="fletcher32", table=chunks, crcs=np.asarray(t["crc32c"], dtype=np.uint32) if "crc32c" in t else None,
+                           name=f"parts/{part.name}{SUFFIX}: {array}")
+
+    def read_slow(self, part: PartEntry, array: str, start: int, stop: int) -> np.ndarray:
+        _register_plugins()
+        try:
+            with self._h5(part.name) as f:
+                if array not in f:
+                    raise CacheFormatError(f"{self.url}: array {array} is missing from parts/{part.name}{SUFFIX}")
+                return np.asarray(f[array][start:stop])
+        except OSError as e:  # h5py reports a failed Fletcher-32 as a filter failure
+            raise CacheFormatError(f"{self.url}: parts/{part.name}{SUFFIX}: {array}: rows {start}..{stop}: {e}") from None
+
+    def array_rows(self, part: PartEntry, array: str) -> int:
+        return int(self._table(part)[array]["shape"][0])
+
+
+@lru_cache(maxsize=1)
+def _register_plugins() -> None:
+    """Importing hdf5plugin registers the Blosc filter with the HDF5 library h5py uses."""
+    import hdf5plugin  # noqa: F401

@@ -1,0 +1,74 @@
+"""Writes the golden v1 stores under tests/data/golden/ (checked in; read by tests/cache/test_golden.py).
+
+    python -m tests.cache.make_golden
+
+Rerun only when the format version changes: the point of the fixtures is that they were written by
+an earlier writer, so a reader change that misreads existing stores fails. Values come from
+`golden_parts()`, which the test recomputes: numpy's PCG64 with fixed seeds, no torch randomness.
+"""
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+GOLDEN = Path(__file__).resolve().parent.parent / "data" / "golden"
+H = 8
+LAYERS = [-1, 1]
+# (store dir, storage, dtype, codec)
+STORES = [("zarr-bf16", "zarr", "bfloat16", "none"), ("zarr-fp8-zstd", "zarr", "fp8", "blosc-zstd"),
+          ("hdf5-bf16", "hdf5", "bfloat16", "none"), ("hdf5-fp8-zstd", "hdf5", "fp8", "blosc-zstd")]
+
+
+def golden_values(seed: int, lengths: list[int]) -> dict:
+    """Float32 hidden rows and token arrays of one part."""
+    rng = np.random.default_rng(seed)
+    t = sum(lengths)
+    return {"input_ids": rng.integers(0, 50000, size=t).astype(np.int32),
+            "loss_mask": rng.integers(0, 2, size=t).astype(np.uint8),
+            "hidden": {k: (rng.standard_normal((t, H)) * (3.0 if k == "last" else 1.0)).astype(np.float32)
+                       for k in [*LAYERS, "last"]}}
+
+
+PARTS = [("p000000", 11, [5, 3]), ("p000001", 12, [6])]
+SAMPLE_IDS = {"p000000": [0x0123456789ABCDEF, 0xFEDCBA9876543210], "p000001": [0x00000000000000FF]}
+
+
+def golden_parts(dtype: str):
+    import torch
+
+    from deepspec.cache.format import encode_hidden
+    from deepspec.cache.writer import PartData
+
+    out = []
+    for name, seed, lengths in PARTS:
+        v = golden_values(seed, lengths)
+        out.append(PartData(name, np.array(SAMPLE_IDS[name], dtype=np.uint64), np.array(lengths, dtype=np.int64),
+                            v["input_ids"], v["loss_mask"],
+                            {k: encode_hidden(torch.from_numpy(x), dtype) for k, x in v["hidden"].items()}))
+    return out
+
+
+def manifest(storage: str, dtype: str, codec: str) -> dict:
+    from deepspec.cache.format import bytes_per_token
+
+    return {"target": {"id": "0123456789abcdef", "architecture": "Qwen3ForCausalLM", "hidden_size": H,
+                       "num_layers": 4, "vocab_size": 50000},
+            "layers": LAYERS, "dtype": dtype, "codec": codec, "max_length": 16, "chunk_tokens": 4,
+            "hidden_size": H, "bytes_per_token": bytes_per_token(H, len(LAYERS), dtype), "storage": storage}
+
+
+def main() -> None:
+    from deepspec.cache.writer import CacheWriter
+
+    for name, storage, dtype, codec in STORES:
+        dst = GOLDEN / name
+        shutil.rmtree(dst, ignore_errors=True)
+        with CacheWriter(str(dst), manifest(storage, dtype, codec)) as w:
+            for part in golden_parts(dtype):
+                w.submit(part)
+        size = sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
+        print(f"{dst}: {size} bytes")
+
+
+if __name__ == "__main__":
+    main()

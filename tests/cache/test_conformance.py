@@ -1,0 +1,304 @@
+"""One conformance suite for every store backend (deepspec.cache.backend.CacheStore), run unchanged
+against Zarr and HDF5, on local disk and on S3 (moto), the way zarr-python tests its stores.
+
+It states the writer's rules (docs/cache-format.md §7): every array round-trips bit for bit through
+the loader; a committed part is never rewritten; an interrupted writer leaves nothing a reader
+lists and a rerun is byte-identical to an uninterrupted build; growth changes nothing but the
+manifest; ranks of one job write disjoint parts and rank 0 lists them all; a damaged committed part
+is dropped with every part after it; corruption is named by part, array and chunk.
+"""
+import hashlib
+import os
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from deepspec.cache.backend import Manifest, PartEntry, detect
+from deepspec.cache.format import CacheFormatError, hidden_name
+from deepspec.cache.reader import CacheReader, ChecksumError
+from deepspec.cache.verify import verify
+from deepspec.cache.writer import CacheWriter, PartData
+
+H = 16
+LAYERS = [0, 2]
+
+
+def manifest(kind: str, dtype: str = "bfloat16", codec: str = "none", **kw) -> dict:
+    return dict({"target": {"id": "conformance", "hidden_size": H, "architecture": "test"}, "layers": LAYERS,
+                 "dtype": dtype, "codec": codec, "max_length": 64, "chunk_tokens": 4, "hidden_size": H,
+                 "storage": kind}, **kw)
+
+
+def make_part(name: str, seed: int, dtype: str = "bfloat16", samples: int = 3) -> PartData:
+    """A deterministic part: lengths 5.., ids from the seed, hidden values with a wide range."""
+    from deepspec.cache.format import encode_hidden
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(3, 11, size=samples).astype(np.int64)
+    t = int(lengths.sum())
+    hidden = {}
+    for layer in [*LAYERS, "last"]:
+        x = torch.from_numpy(rng.standard_normal((t, H)).astype(np.float32) * 10 ** rng.uniform(-2, 2))
+        hidden[layer] = encode_hidden(x, dtype)
+    return PartData(name, (np.arange(samples, dtype=np.uint64) + 1000 * seed + 1), lengths,
+                    rng.integers(0, 4096, size=t).astype(np.int32), rng.integers(0, 2, size=t).astype(np.uint8),
+                    hidden)
+
+
+@pytest.fixture(params=["zarr-local", "hdf5-local", "zarr-s3", "hdf5-s3"])
+def where(request, tmp_path):
+    """(backend kind, store url, storage options)."""
+    kind, place = request.param.split("-")
+    if place == "local":
+        return kind, str(tmp_path / "store"), None
+    moto = request.getfixturevalue("moto")
+    bucket = f"conf-{uuid.uuid4().hex[:12]}"
+    moto.bucket(bucket)
+    return kind, f"s3://{bucket}/store", moto.storage_options
+
+
+def local_only(where):
+    if where[1].startswith("s3://"):
+        pytest.skip("a local-filesystem rule (S3 PUTs are atomic)")
+
+
+def files(url: str, options) -> dict[str, str]:
+    """Every file/object of a store -> sha256 of its bytes."""
+    import fsspec
+
+    from deepspec.cache.store import storage_options_for
+
+    fs, root = fsspec.core.url_to_fs(url, **storage_options_for(url, options))
+    fs.invalidate_cache()
+    return {p[len(root):]: hashlib.sha256(fs.cat_file(p)).hexdigest() for p in sorted(fs.find(root))}
+
+
+def write(where, parts, **kw) -> None:
+    kind, url, options = where
+    with CacheWriter(url, manifest(kind, **kw), options) as w:
+        for p in parts:
+            w.submit(p)
+
+
+def expect_equal(reader: CacheReader, parts: list[PartData]) -> None:
+    k = 0
+    for part in parts:
+        offsets = np.concatenate([[0], np.cumsum(part.lengths)])
+        for s in range(len(part.lengths)):
+            a, b = offsets[s], offsets[s + 1]
+            got = reader.read(k)
+            assert reader.sample_id(k) == int(part.sample_ids[s])
+            assert np.array_equal(got["input_ids"], part.input_ids[a:b])
+            assert np.array_equal(got["loss_mask"], part.loss_mask[a:b])
+            for layer in [*LAYERS, "last"]:
+                bits, scale = part.hidden[layer]
+                key = layer if layer != "last" else "last"
+                assert np.array_equal(got[key][0], bits[a:b]), (k, layer)
+                if scale is not None:
+                    assert np.array_equal(got[key][1], scale[a:b])
+            k += 1
+    assert k == len(reader)
+
+
+@pytest.mark.parametrize("dtype,codec", [("bfloat16", "none"), ("fp8", "blosc-zstd"), ("bfloat16", "blosc-lz4")])
+def test_every_array_round_trips_bitwise_on_both_paths(where, dtype, codec):
+    if where[1].startswith("s3://") and (dtype, codec) != ("fp8", "blosc-zstd"):
+        pytest.skip("values and codecs do not depend on the location: one combination on S3")
+    parts = [make_part("p000000", 1, dtype), make_part("p000001", 2, dtype, samples=1)]
+    write(where, parts, dtype=dtype, codec=codec)
+    kind, url, options = where
+    assert detect(url, options) == kind
+    for fast in (True, False):
+        for checks in (True, False):
+            reader = CacheReader(url, options, fast=fast, verify=checks)
+            assert isinstance(reader.manifest, Manifest) and reader.manifest.storage == kind
+            assert [p.name for p in reader.manifest.parts] == ["p000000", "p000001"]
+            assert reader.manifest.num_samples == 4 and reader.manifest["layers"] == LAYERS
+            expect_equal(reader, parts)
+    assert verify(url, options)["ok"]
+
+
+def test_a_part_that_exists_is_never_overwritten(where):
+    kind, url, options = where
+    write(where, [make_part("p000000", 1)])
+    before = files(url, options)
+    with CacheWriter(url, manifest(kind), options) as w:
+        with pytest.raises(CacheFormatError):
+            w.write_part(make_part("p000000", 7))
+    assert {k: v for k, v in files(url, options).items() if "parts" in k} == \
+        {k: v for k, v in before.items() if "parts" in k}
+    expect_equal(CacheReader(url, options), [make_part("p000000", 1)])
+
+
+def test_an_interrupted_writer_resumes_to_a_byte_identical_store(where, tmp_path):
+    """A writer that dies right before committing its third part (the last lease check) leaves no
+    listed part; the rerun writes the rest and the store equals an uninterrupted build."""
+    kind, url, options = where
+    parts = [make_part(f"p{i:06d}", i + 1) for i in range(4)]
+    clean = (kind, url + "-clean", options)
+    write(clean, parts)
+
+    w = CacheWriter(url, manifest(kind), options)
+    real, calls = w.lease.check, []
+
+    def dying():
+        calls.append(1)
+        if len(calls) == 8:  # the third part's commit (per part: start, commit, manifest)
+            raise KeyboardInterrupt("killed")
+        return real()
+
+    w.lease.check = dying
+    for p in parts:
+        w.submit(p)
+    with pytest.raises(CacheFormatError, match="killed"):
+        w.close()
+    w.release()
+    assert [p.name for p in CacheReader(url, options).manifest.parts] == ["p000000", "p000001"]
+
+    with CacheWriter(url, manifest(kind), options) as w:
+        assert sorted(w.committed_parts()) == ["p000000", "p000001"]
+        assert w.committed_sample_ids() == {int(i) for p in parts[:2] for i in p.sample_ids}
+        for p in parts[2:]:
+            w.submit(p)
+    assert files(url, options) == files(url + "-clean", options)
+    expect_equal(CacheReader(url, options), parts)
+
+
+def test_growth_adds_parts_and_changes_nothing_but_the_manifest(where):
+    kind, url, options = where
+    write(where, [make_part("p000000", 1), make_part("p000001", 2)])
+    before = files(url, options)
+    write(where, [make_part("p000002", 3)])
+    after = files(url, options)
+    changed = {k for k in before if after.get(k) != before[k]}
+    assert changed == {k for k in before if k.endswith(("/zarr.json", "/manifest.json")) and k.count("/") == 1}
+    assert len(changed) == 1
+    assert len(CacheReader(url, options)) == 9
+
+
+def test_ranks_of_one_job_write_disjoint_parts_and_rank_zero_lists_them(where):
+    kind, url, options = where
+    rank0 = CacheWriter(url, manifest(kind), options)
+    rank1 = CacheWriter(url, manifest(kind), options, rank=1, run_id=rank0.lease.run_id)
+    try:
+        rank1.write_part(make_part("p000001", 2))
+        rank0.write_part(make_part("p000000", 1))
+        m = rank0.write_manifest(rescan=True)
+    finally:
+        rank1.release()
+        rank0.release()
+    assert [p["name"] for p in m["parts"]] == ["p000000", "p000001"]
+    expect_equal(CacheReader(url, options), [make_part("p000000", 1), make_part("p000001", 2)])
+
+
+def test_changed_content_is_refused_or_pruned(where):
+    kind, url, options = where
+    write(where, [make_part("p000000", 1)])
+    with pytest.raises(CacheFormatError, match="layers: store has"):
+        CacheWriter(url, manifest(kind, layers=[0]), options, prune_stale=False)
+    other = "hdf5" if kind == "zarr" else "zarr"
+    with pytest.raises(CacheFormatError, match=f"storage: store has '{kind}', expected '{other}'"):
+        CacheWriter(url, manifest(other), options, prune_stale=False)
+    if options is None:  # local: a stale store (or one of the other backend) is rebuilt in place
+        CacheWriter(url, manifest(other), options).release()
+        assert detect(url, options) == other and len(CacheReader(url, options)) == 0
+        assert sorted(os.listdir(url)) in (["zarr.json"], ["manifest.json"])
+
+
+def _chunk_of(reader: CacheReader, part: int, array: str, chunk: int) -> tuple[str, int]:
+    """(store key, byte offset) of the first byte of a chunk, from the backend's own chunk table."""
+    layout = reader._layout(part, array)
+    idx = reader._process_state()[3].index(layout)
+    return layout.key, int(idx[chunk, 0])
+
+
+def test_a_flipped_byte_is_named_by_part_array_and_chunk(where):
+    import fsspec
+
+    from deepspec.cache.store import storage_options_for
+
+    kind, url, options = where
+    parts = [make_part("p000000", 1), make_part("p000001", 2, samples=4)]
+    write(where, parts)
+    key, off = _chunk_of(CacheReader(url, options), 1, "hidden/2", 1)
+    fs, root = fsspec.core.url_to_fs(url, **storage_options_for(url, options))
+    data = bytearray(fs.cat_file(f"{root}/{key}"))
+    data[off + 3] ^= 0x40
+    fs.pipe_file(f"{root}/{key}", bytes(data))
+    reader = CacheReader(url, options)
+    first = int(reader.part_start[1])
+    with pytest.raises(ChecksumError) as e:
+        for k in range(first, len(reader)):
+            reader.read(k)
+    assert "p000001" in str(e.value) and "hidden/2" in str(e.value) and "chunk 1" in str(e.value)
+    with pytest.raises(ChecksumError) as e:
+        verify(url, options)
+    assert "p000001" in str(e.value) and "hidden/2" in str(e.value) and "chunk 1" in str(e.value)
+    with pytest.raises(CacheFormatError, match="p000001"):  # the library's own read checks too
+        slow = CacheReader(url, options, fast=False)
+        for k in range(first, len(slow)):
+            slow.read(k)
+    assert CacheReader(url, options, verify=False).read(first, layers=[0])  # other arrays read fine
+
+
+def test_a_damaged_committed_part_is_dropped_with_every_part_after_it(where):
+    local_only(where)
+    kind, url, options = where
+    parts = [make_part(f"p{i:06d}", i + 1) for i in range(3)]
+    write(where, parts)
+    clean = files(url, options)
+    key, _ = _chunk_of(CacheReader(url, options), 1, "last_hidden", 0)
+    path = Path(url) / key
+    os.truncate(path, path.stat().st_size // 2)  # a power loss before the data reached the disk
+    with CacheWriter(url, manifest(kind), options) as w:
+        assert sorted(w.committed_parts()) == ["p000000"]
+        for p in parts[1:]:
+            w.submit(p)
+    assert files(url, options) == clean
+
+
+def test_debris_of_a_killed_writer_is_pruned(where):
+    local_only(where)
+    kind, url, options = where
+    write(where, [make_part("p000000", 1)])
+    clean = files(url, options)
+    root = Path(url)
+    (root / "junk.txt").write_text("x")
+    (root / f"root.{uuid.uuid4().hex}.partial").write_text("")
+    (root / "parts" / f"p000001.{uuid.uuid4().hex}.partial").write_bytes(b"\0" * 100)
+    (root / "parts" / "notes").mkdir()
+    CacheWriter(url, manifest(kind), options).release()
+    assert files(url, options) == clean
+
+
+def test_a_directory_that_is_not_a_cache_is_refused_and_left_alone(where, tmp_path):
+    kind, _, _ = where
+    d = tmp_path / "plain"
+    (d / "sub").mkdir(parents=True)
+    (d / "notes.txt").write_text("x")
+    (d / "manifest.json").write_text('{"name": "someone else"}')
+    with pytest.raises(CacheFormatError, match="is not a deepspec cache"):
+        CacheWriter(str(d), manifest(kind))
+    assert sorted(p.name for p in d.iterdir()) == ["manifest.json", "notes.txt", "sub"]
+
+
+def test_the_manifest_is_typed_and_keeps_unknown_keys(where):
+    kind, url, options = where
+    write(where, [make_part("p000000", 1)], imported_from={"format": "x"})
+    m = CacheReader(url, options).manifest
+    assert isinstance(m.parts[0], PartEntry) and m.parts[0].tokens == int(make_part("p000000", 1).lengths.sum())
+    assert m.extra == {"imported_from": {"format": "x"}} and m["imported_from"] == {"format": "x"}
+    assert Manifest.from_dict(m.to_dict()) == m
+    with pytest.raises(CacheFormatError, match="format_version 2 is not supported"):
+        Manifest.from_dict(dict(m.to_dict(), format_version=2))
+
+
+def test_reading_a_layer_that_is_not_cached_names_it(where):
+    kind, url, options = where
+    write(where, [make_part("p000000", 1)])
+    with pytest.raises(CacheFormatError, match=r"layers \[5\]"):
+        CacheReader(url, options).read(0, layers=[5])
+    assert hidden_name(0) == "hidden/0"

@@ -1,0 +1,54 @@
+"""Golden v1 stores of every backend, written once by tests/cache/make_golden.py and checked in:
+a reader change that misreads a store written by an earlier writer fails here."""
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from deepspec.cache.format import decode_hidden
+from deepspec.cache.reader import CacheReader
+from deepspec.cache.verify import info, verify
+from deepspec.loader.dataset import TargetCacheDataset
+from tests.cache.make_golden import GOLDEN, LAYERS, PARTS, SAMPLE_IDS, STORES, golden_values
+
+
+@pytest.mark.parametrize("name,storage,dtype,codec", STORES)
+@pytest.mark.parametrize("fast", [True, False])
+def test_golden_store_reads_back_the_values_it_was_written_with(name, storage, dtype, codec, fast):
+    url = str(GOLDEN / name)
+    reader = CacheReader(url, fast=fast)
+    m = reader.manifest
+    assert (m.storage, m.dtype, m.codec, m.layers, m.hidden_size) == (storage, dtype, codec, LAYERS, 8)
+    assert [p.name for p in m.parts] == [p[0] for p in PARTS] and m.num_samples == 3
+    ds = TargetCacheDataset(url, fast=fast)
+    k = 0
+    for part, seed, lengths in PARTS:
+        v = golden_values(seed, lengths)
+        start = 0
+        for s, n in enumerate(lengths):
+            item = ds[k]
+            assert item["sample_id"] == SAMPLE_IDS[part][s]
+            assert np.array_equal(item["input_ids"].numpy(), v["input_ids"][start:start + n])
+            assert np.array_equal(item["loss_mask"].numpy(), v["loss_mask"][start:start + n])
+            for i, layer in enumerate(LAYERS):
+                want = torch.from_numpy(v["hidden"][layer][start:start + n]).to(torch.bfloat16)
+                if dtype == "bfloat16":
+                    assert torch.equal(item["hidden"][i], want)
+                else:  # fp8: the decode of the stored bits, and close to the original
+                    bits, scale = reader.read(k, layers=[layer], fields=("hidden",))[layer]
+                    assert torch.equal(item["hidden"][i], decode_hidden(bits, scale, dtype))
+                    assert torch.allclose(item["hidden"][i].float(), want.float(), rtol=0.07, atol=0.02)
+            want_last = torch.from_numpy(v["hidden"]["last"][start:start + n]).to(torch.bfloat16)
+            assert torch.allclose(item["last_hidden"].float(), want_last.float(), rtol=0.07, atol=0.05)
+            start += n
+            k += 1
+    assert k == len(ds)
+
+
+@pytest.mark.parametrize("name,storage,dtype,codec", STORES)
+def test_golden_store_verifies_and_reports(name, storage, dtype, codec, tmp_path):
+    url = str(tmp_path / name)
+    shutil.copytree(GOLDEN / name, url)  # verify reads only, but keep the checked-in files untouched
+    assert verify(url)["ok"]
+    assert info(url)["storage"] == storage and info(url)["samples"] == 3
