@@ -194,12 +194,12 @@ def suite_name(source: str) -> str:
     return Path(source).stem if source.endswith(".jsonl") else source
 
 
-EXPORT_FORMATS = ("speculators", "dflash")
+EXPORT_FORMATS = ("speculators", "dflash", "sglang-eagle3")
 
 
 @dataclass
 class ExportConfig:
-    formats: list[Literal["speculators", "dflash"]] = _f(factory=lambda: list(EXPORT_FORMATS))
+    formats: list[Literal["speculators", "dflash", "sglang-eagle3"]] = _f(factory=lambda: list(EXPORT_FORMATS))
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     verifier: str = ""        # "" = the hub id for hf: targets, the target model directory otherwise
 
