@@ -118,8 +118,11 @@ def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_di
     model = new_draft(cfg, layers, target_dir, counts).to(device)
     ddp = None
     if world > 1:
+        # every buffer is constant (rotary tables, EAGLE-3's vocabulary maps and the target's head it keeps for
+        # the loss): nothing to broadcast at each step
         ddp = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True)
+            model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True,
+            broadcast_buffers=False)
     fp = resume_fingerprint(cfg, layers, identity["id"], dataset.manifest)
     # dvclive starts a fresh curve unless the trainer resumes (then it keeps the steps up to the checkpoint)
     callbacks = [ProgressBar(), DvcLiveMetrics(out_dir / "live"), JsonMetrics(out_dir / "metrics.json")]
