@@ -113,9 +113,10 @@ def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_di
         tokens = TargetCacheDataset(cache_url, layers=[], fields=("input_ids", "loss_mask"),
                                     storage_options=storage_options)
         counts = loss_token_counts(tokens)
-        log.info("eagle3: target layers %s, draft vocabulary of %d tokens from %d distinct loss tokens in the "
-                 "cache", layers, cfg.draft_vocab_size, len(counts))
     model = new_draft(cfg, layers, target_dir, counts).to(device)
+    if counts is not None:
+        log.info("eagle3: target layers %s, draft vocabulary of %d of the target's %d tokens (%d distinct loss "
+                 "tokens in the cache)", layers, model.config.draft_vocab_size, model.config.vocab_size, len(counts))
     ddp = None
     if world > 1:
         # every buffer is constant (rotary tables, EAGLE-3's vocabulary maps and the target's head it keeps for
