@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ex = sub.add_parser("export", help="write a trained draft as model dirs serving engines load (docs/export.md)")
     ex.add_argument("draft_dir", help="a deepspec draft directory (e.g. data/draft)")
     ex.add_argument("--format", dest="formats", action="append", required=True,
-                    help="speculators | dflash (repeat for several)")
+                    help="speculators | dflash | sglang-eagle3 (repeat for several)")
     ex.add_argument("--out", required=True, help="writes OUT/<format>/ per format and OUT/report.json")
     ex.add_argument("--target", default="data/target", help="the target model directory the draft was trained on")
     ex.add_argument("--verifier", default="",

@@ -113,8 +113,8 @@ class CacheConfig:
 @dataclass
 class TrainConfig:
     launcher: str = "python"
-    algorithm: Literal["dspark", "dflash"] = "dspark"
-    layers: list[int] | None = None
+    algorithm: Literal["dspark", "dflash", "eagle3"] = "dspark"
+    layers: list[int] | None = None   # eagle3 takes exactly three (null: the lowest, middle and highest cached)
     block_size: int = _f(4, ge=2)
     draft_layers: int = _f(1, ge=1)
     markov_rank: int = _f(64, ge=1)
@@ -126,6 +126,11 @@ class TrainConfig:
     # unused and slot k predicts token a+k (γ-1 drafts; the dflash package's layout); null = the
     # algorithm's default (dspark: true, dflash: false), as in speculators
     sample_from_anchor: bool | None = None
+    # eagle3: chain steps unrolled in training (the training-time test) and drafted per round in eval
+    ttt_steps: int = _f(4, ge=1)
+    # eagle3: reduced draft vocabulary, the most frequent loss tokens of the cache (d2t/t2d); capped at the
+    # target's vocabulary
+    draft_vocab_size: int = _f(2048, ge=1)
     anchors_per_sample: int = _f(16, ge=1)
     batch_size: int = _f(8, ge=1)
     grad_accum: int = _f(1, ge=1)
@@ -190,12 +195,12 @@ def suite_name(source: str) -> str:
     return Path(source).stem if source.endswith(".jsonl") else source
 
 
-EXPORT_FORMATS = ("speculators", "dflash")
+EXPORT_FORMATS = ("speculators", "dflash", "sglang-eagle3")
 
 
 @dataclass
 class ExportConfig:
-    formats: list[Literal["speculators", "dflash"]] = _f(factory=lambda: list(EXPORT_FORMATS))
+    formats: list[Literal["speculators", "dflash", "sglang-eagle3"]] = _f(factory=lambda: list(EXPORT_FORMATS))
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     verifier: str = ""        # "" = the hub id for hf: targets, the target model directory otherwise
 
@@ -228,10 +233,21 @@ class Params:
             if missing:
                 raise ConfigError(
                     f"train.layers: {missing} are not cached; the cache holds layers {self.layers}")
+        eagle = self.train.layers if self.train.layers is not None else self.layers
+        if self.train.algorithm == "eagle3" and len(eagle) != 3 and (self.train.layers is not None or len(eagle) < 3):
+            raise ConfigError(f"train.layers: eagle3 fuses exactly three target layers, got {eagle}"
+                              + ("" if self.train.layers is not None else " (the cached layers)"))
 
     @property
     def train_layers(self) -> list[int]:
-        return list(self.train.layers if self.train.layers is not None else self.layers)
+        """The draft's input layers; eagle3 without train.layers takes the lowest, middle and highest of
+        the cached layers (EAGLE-3's low/mid/high features; [1, 17, 33] of the default cache)."""
+        if self.train.layers is not None:
+            return list(self.train.layers)
+        if self.train.algorithm == "eagle3":
+            cached = sorted(self.layers)
+            return [cached[0], cached[len(cached) // 2], cached[-1]]
+        return list(self.layers)
 
 
 def _type_name(tp: Any) -> str:

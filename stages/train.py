@@ -29,6 +29,9 @@ def main(params):
         torch.cuda.set_device(device)  # the object collectives (resume agreement, checkpoint gather) use it
     if world > 1:
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if cfg.algorithm == "eagle3" and cfg.layers is None and rank == 0:
+        print(f"eagle3: train.layers not set, fusing cached layers {params.train_layers} (lowest, middle, highest "
+              f"of {params.layers}); set train.layers to choose three others", flush=True)
     try:
         store = built_store_url(params.cache.url)  # cache.url itself, or the stage's store in an S3 lake
         final = run_training(cfg, params.train_layers, store, Path("data/target"), Path("data/draft"),

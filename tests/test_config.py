@@ -14,7 +14,7 @@ def test_repo_params_load_with_reference_layers():
     assert p.train_layers == p.layers
     assert p.sampling.max_tokens > 0
     # the export section and the new train keys: params.yaml states the dataclass defaults
-    assert p.export == ExportConfig() and p.export.formats == ["speculators", "dflash"]
+    assert p.export == ExportConfig() and p.export.formats == ["speculators", "dflash", "sglang-eagle3"]
     assert (p.train.mask_token_id, p.train.sample_from_anchor) == (None, None)
 
 

@@ -15,10 +15,11 @@ below it (fewer wasted verify positions; the output is unchanged). Every round k
 predictions of the slots it verified, so the head's calibration can be measured against outcomes.
 
 The decoder owns the target, its cache and the verify/accept step; a *drafter* only proposes:
-`propose(feats, positions, cur, cur_pos, warp, gen)` gets the target's features of the tokens
-committed since its last call (at `positions`) and the current token, and returns a `Proposal` (k
-tokens, their distributions under the same warp, optional confidences). `BlockDrafter` is the
-DSpark/DFlash one (one parallel block); a chain drafter (EAGLE-3) plugs in the same way.
+`propose(feats, positions, cur, cur_pos, warp, gen, tokens)` gets the target's features of the tokens
+committed since its last call (at `positions`; `tokens` are those tokens) and the current token, and
+returns a `Proposal` (k tokens, their distributions under the same warp, optional confidences).
+`BlockDrafter` is the DSpark/DFlash one (one parallel block); `ChainDrafter` is EAGLE-3's (one token
+at a time, each step reading the previous step's output).
 """
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ class BlockDrafter:
 
     @torch.no_grad()
     def propose(self, feats: torch.Tensor, positions: torch.Tensor, cur: int, cur_pos: int, warp: "Warp",
-                gen: torch.Generator | None) -> Proposal:
+                gen: torch.Generator | None, tokens: list[int] | None = None) -> Proposal:
         d = self.draft
         ctx = d.context(feats.to(d.fc.weight.dtype))[None]
         h = d.drafts(d.block_states(torch.tensor([[cur]], device=self.device),
@@ -151,8 +152,64 @@ class BlockDrafter:
         return Proposal(tokens, torch.stack(qs), torch.tensor(conf).cumprod(0).tolist() if conf else None)
 
 
+class ChainDrafter:
+    """EAGLE-3: the pair (token x_{p+1}, target feature g_p) of every committed position p runs once
+    through the draft layer and its keys stay in the draft's cache; then the chain drafts one token per
+    step from the last pair, each step reading the previous step's token and layer output (its keys
+    live only for this round). The draft's logits cover its reduced vocabulary; proposals are placed in
+    the target's (zero probability elsewhere), so rejection sampling stays exact."""
+
+    def __init__(self, draft, device: torch.device | str = "cpu"):
+        self.draft = draft.eval()
+        self.device = torch.device(device)
+        self.target_layers = list(draft.config.target_layers)
+        self.draft_ids = draft.draft_ids().to(self.device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.past: tuple[torch.Tensor, torch.Tensor] | None = None  # committed pairs' (k, v)
+
+    def _committed(self) -> list:
+        return [] if self.past is None else [self.past]
+
+    @torch.no_grad()
+    def propose(self, feats: torch.Tensor, positions: torch.Tensor, cur: int, cur_pos: int, warp: "Warp",
+                gen: torch.Generator | None, tokens: list[int] | None = None) -> Proposal:
+        d = self.draft
+        if tokens is None or len(tokens) != len(positions):
+            raise ValueError("the chain drafter needs the committed tokens at the feature positions")
+        pair = torch.tensor([[*tokens[1:], cur]], device=self.device)   # x_{p+1} for every new position p
+        m = pair.shape[1]
+        held = 0 if self.past is None else self.past[0].shape[2]
+        mask = torch.cat([torch.ones(m, held, dtype=torch.bool, device=self.device),
+                          torch.ones(m, m, dtype=torch.bool, device=self.device).tril()], dim=1)
+        h, kv = d.step(pair, d.fc(feats.to(d.fc.weight.dtype))[None], (positions + 1)[None], mask, self._committed())
+        self.past = kv if self.past is None else (torch.cat([self.past[0], kv[0]], 2), torch.cat([self.past[1], kv[1]], 2))
+        h = h[:, -1:]
+        chain: list = []                       # this round's chain keys (never committed)
+        out_tokens, qs = [], []
+        V = d.config.vocab_size
+        for k in range(d.config.num_drafts):
+            if k:
+                h, kv = d.step(torch.tensor([[out_tokens[-1]]], device=self.device), h,
+                               torch.tensor([[cur_pos + k]], device=self.device), None, [self.past, *chain])
+                chain.append(kv)
+            q = torch.zeros(V, device=self.device).index_put_((self.draft_ids,), warp.probs(d.logits(h[0, 0])))
+            tok = warp.sample(q, gen)
+            out_tokens.append(tok)
+            qs.append(q)
+        return Proposal(out_tokens, torch.stack(qs))
+
+
+def drafter_for(draft, device: torch.device | str = "cpu"):
+    """The drafter a draft model decodes with (a ready drafter passes through)."""
+    if hasattr(draft, "propose"):
+        return draft
+    return ChainDrafter(draft, device) if draft.config.algorithm == "eagle3" else BlockDrafter(draft, device)
+
+
 class SpecDecoder:
-    """Verify/accept for any drafter; a draft model (DSpark/DFlash) is wrapped in a BlockDrafter."""
+    """Verify/accept for any drafter; a draft model is wrapped in its drafter (`drafter_for`)."""
 
     def __init__(self, target, draft, stop_ids: set[int], device: torch.device | str = "cpu",
                  confidence_threshold: float = 0.0):
@@ -161,7 +218,7 @@ class SpecDecoder:
         self.confidence_threshold = confidence_threshold
         self.target = target.eval()
         self.device = torch.device(device)
-        self.drafter = draft if hasattr(draft, "propose") else BlockDrafter(draft, self.device)
+        self.drafter = drafter_for(draft, self.device)
         self.stop_ids = set(stop_ids)
         self.layers = list(self.drafter.target_layers)
 
@@ -201,12 +258,12 @@ class SpecDecoder:
         logits, feats = self._target(prompt, tcache, capture=True)
         cur = warp.sample(warp.probs(logits[-1]), gen)
         out = [cur]
-        ctx_new = feats
+        ctx_new, ctx_tok = feats, list(prompt)
         ctx_pos = torch.arange(len(prompt), device=self.device)
         result = Result(out, 0.0)
         while cur not in self.stop_ids and len(out) < max_new:
             cur_pos = len(prompt) + len(out) - 1
-            prop = self.drafter.propose(ctx_new, ctx_pos, cur, cur_pos, warp, gen)
+            prop = self.drafter.propose(ctx_new, ctx_pos, cur, cur_pos, warp, gen, ctx_tok)
             drafts, q, prefix = prop.tokens, prop.q, prop.confidence
             if prefix is not None and self.confidence_threshold > 0:
                 drafts = drafts[:next((i for i, c in enumerate(prefix) if c < self.confidence_threshold), len(prefix))]
@@ -239,7 +296,7 @@ class SpecDecoder:
             out.extend(kept)
             committed = len(prompt) + len(out)          # cur and the accepted drafts now have features
             tcache.crop(committed - tcache.get_seq_length())  # negative: drop the rejected drafts' entries
-            ctx_new = feats[:accepted + 1]
+            ctx_new, ctx_tok = feats[:accepted + 1], [cur, *kept]
             ctx_pos = torch.arange(cur_pos, cur_pos + accepted + 1, device=self.device)
             bonus = nxt is not None and len(out) < max_new
             # slots after an accepted stop token were never judged: no outcome to compare with

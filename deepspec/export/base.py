@@ -79,6 +79,45 @@ def qwen3_layer_config(cfg: DraftConfig, dtype: str) -> dict:
     }
 
 
+def llama_layer_config(cfg: DraftConfig, dtype: str) -> dict:
+    """EAGLE-3's decoder layer as a Llama config (no q/k norm), from the draft's own config; `vocab_size`
+    is the target's (the verifier's embedding), the draft head's size is `draft_vocab_size`."""
+    return {
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+
+
+def eagle3_tensors(draft) -> dict[str, torch.Tensor]:
+    """fc, the decoder layer, norm, the draft-vocabulary lm_head and the vocabulary maps d2t/t2d: the names
+    speculators' Eagle3 checkpoints and sglang's LlamaForCausalLMEagle3 loader use. No embeddings (the
+    engines take the verifier's)."""
+    keep = ("fc.", "layers.", "norm.", "lm_head.", "d2t", "t2d")
+    return {k: v for k, v in draft.state_dict().items() if k.startswith(keep)}
+
+
+def require_eagle3(cfg: DraftConfig, fmt: str) -> None:
+    if cfg.algorithm != "eagle3":
+        raise Refused(f"{fmt} holds EAGLE-3 drafts only (train.algorithm: eagle3); this is a {cfg.algorithm} "
+                      "draft")
+
+
 def backbone_tensors(draft: DraftModel) -> dict[str, torch.Tensor]:
     """Decoder layers, feature projection and norms: the names deepspec, speculators and dflash share."""
     keep = ("layers.", "fc.", "hidden_norm.", "norm.")

@@ -21,6 +21,9 @@ class DFlash:
 
     def build(self, draft: DraftModel, target: TargetRef, dtype: str) -> Exported:
         cfg = draft.config
+        if cfg.algorithm == "eagle3":
+            raise Refused("an EAGLE-3 draft drafts a chain, not a block of mask slots: export it as speculators "
+                          "or sglang-eagle3")
         if cfg.algorithm != "dflash" or cfg.markov_rank > 0 or cfg.confidence:
             raise Refused(f"a {cfg.algorithm} draft has a Markov and a confidence head, which the dflash layout "
                           "cannot hold: train with train.algorithm: dflash (and sample_from_anchor false)")

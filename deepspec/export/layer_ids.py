@@ -8,6 +8,12 @@ speculators (vLLM): id i = hidden_states[i] = the INPUT of decoder layer i, so t
 dflash package and sglang's DFlash: id i = the OUTPUT of decoder layer i, read as hidden_states[i + 1]
     (`dflash.model.extract_context_feature`); sglang accepts 0 .. num_layers-1 only, so the
     embedding output (-1) has no dflash id. Unchanged.
+sglang's EAGLE-3 (`eagle_config.eagle_aux_hidden_state_layer_ids` of a LlamaForCausalLMEagle3 draft):
+    id i = the OUTPUT of decoder layer i: the target captures the input of layer i + 1 (sglang adds
+    the 1 itself, `set_eagle3_layers_to_capture`). Unchanged; -1 is refused (sglang would capture the
+    input of layer 0, a case its EAGLE-3 drafts do not use and this project cannot check). With no ids
+    written sglang falls back to capturing the inputs of layers 2, n/2, n-3, so ids are always written.
+speculators' EAGLE-3 (`eagle_aux_hidden_state_layer_ids`) counts like its DSpark/DFlash ids: i + 1.
 """
 from __future__ import annotations
 
@@ -32,4 +38,15 @@ def to_dflash(ids: list[int]) -> list[int]:
 
 
 def from_dflash(ids: list[int]) -> list[int]:
+    return list(ids)
+
+
+def to_sglang_eagle3(ids: list[int]) -> list[int]:
+    if any(i < 0 for i in ids):
+        raise NoSuchLayerId(f"layers {ids} include -1 (the embedding output), which sglang's EAGLE-3 ids (layer "
+                            "outputs 0 .. num_layers-1) do not name")
+    return list(ids)
+
+
+def from_sglang_eagle3(ids: list[int]) -> list[int]:
     return list(ids)

@@ -13,11 +13,12 @@ from pathlib import Path
 
 from deepspec.export.base import DTYPES, ExportError, Refused, TargetRef, write_model_dir
 from deepspec.export.dflash import DFlash
+from deepspec.export.sglang import SglangEagle3
 from deepspec.export.speculators import Speculators
 from deepspec.io import write_json
 from deepspec.models.draft import DraftModel
 
-FORMATS = {f.name: f for f in (Speculators(), DFlash())}
+FORMATS = {f.name: f for f in (Speculators(), DFlash(), SglangEagle3())}
 
 
 def verifier_reference(source: str, target_dir: Path, override: str = "") -> str:

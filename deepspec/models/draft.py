@@ -38,7 +38,7 @@ DRAFT_FORMAT_VERSION = 1
 
 @dataclass
 class DraftConfig:
-    algorithm: str                  # "dspark" | "dflash"
+    algorithm: str                  # "dspark" | "dflash" | "eagle3" (deepspec/models/eagle3.py)
     target_layers: list[int]
     target_hidden_size: int
     vocab_size: int
@@ -57,6 +57,8 @@ class DraftConfig:
     mask_token_id: int = -1         # reserved target token whose embedding fills the mask slots; -1 = learned
     mask_token: str = ""            # that token's text (what engines that look it up by name need)
     sample_from_anchor: bool = True # see the module doc: slot k predicts a+k+1 (true) or a+k (false)
+    ttt_steps: int = 0              # eagle3: chain steps trained and drafted per round (= block_size)
+    draft_vocab_size: int = 0       # eagle3: size of the reduced draft vocabulary (d2t/t2d); 0 = none
     target: dict = field(default_factory=dict)  # identity of the target the draft was trained on
     format_version: int = DRAFT_FORMAT_VERSION
 
@@ -73,10 +75,17 @@ class DraftConfig:
     @classmethod
     def for_target(cls, algorithm: str, target_config, target_layers: list[int], block_size: int,
                    num_layers: int, markov_rank: int, identity: dict, mask_token_id: int = -1,
-                   mask_token: str = "", sample_from_anchor: bool = True) -> "DraftConfig":
-        """Draft layers take the target's own dimensions (as the reference does)."""
+                   mask_token: str = "", sample_from_anchor: bool = True, ttt_steps: int = 0,
+                   draft_vocab_size: int = 0) -> "DraftConfig":
+        """Draft layers take the target's own dimensions (as the reference does). EAGLE-3 drafts a chain
+        of `ttt_steps` tokens per round (its block_size) and has no mask slots."""
         tc = target_config
         dspark = algorithm == "dspark"
+        if algorithm == "eagle3":
+            block_size, mask_token_id, sample_from_anchor = ttt_steps, -1, True
+            draft_vocab_size = min(draft_vocab_size, tc.vocab_size)
+        else:
+            ttt_steps = draft_vocab_size = 0
         if not -1 <= mask_token_id < tc.vocab_size:
             raise ValueError(f"mask_token_id {mask_token_id} is not a token of the target (vocab {tc.vocab_size})")
         return cls(algorithm=algorithm, target_layers=list(target_layers), target_hidden_size=tc.hidden_size,
@@ -89,7 +98,7 @@ class DraftConfig:
                                     (getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
                    markov_rank=markov_rank if dspark else 0, confidence=dspark, mask_token_id=mask_token_id,
                    mask_token=mask_token if mask_token_id >= 0 else "", sample_from_anchor=sample_from_anchor,
-                   target=identity)
+                   ttt_steps=ttt_steps, draft_vocab_size=draft_vocab_size, target=identity)
 
     def qwen3(self) -> Qwen3Config:
         return Qwen3Config(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
@@ -232,24 +241,29 @@ class DraftModel(nn.Module):
 
         return draft_loss(self, batch, anchors, ce_w, l1_w, conf_w, decay_gamma, norm)
 
+    def loss_weights(self, batch: dict, anchors, decay_gamma: float) -> torch.Tensor:
+        """The loss weight of every draft of the batch (the trainer normalises by their global sum)."""
+        from deepspec.train.loss import slot_weights
+
+        return slot_weights(batch, anchors, self.config.num_drafts, decay_gamma)
+
     # ---- save / load -----------------------------------------------------------------------------
     def save(self, out_dir: str | Path) -> None:
-        from safetensors.torch import save_file
-
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(asdict(self.config), indent=2, sort_keys=True) + "\n")
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()
-                   if not k.startswith("rotary.")}
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "deepspec-draft"})
+        save_draft(self, out_dir)
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu") -> "DraftModel":
+        """Any deepspec draft directory; an EAGLE-3 draft loads as an Eagle3Model."""
         from safetensors.torch import load_file
 
         path = Path(path)
         config = DraftConfig(**json.loads((path / "config.json").read_text()))
-        model = cls(config)
+        if config.algorithm == "eagle3":
+            from deepspec.models.eagle3 import Eagle3Model
+
+            model = Eagle3Model(config)
+        else:
+            model = DraftModel(config)
         state = load_file(str(path / "model.safetensors"), device="cpu")
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.startswith("rotary.")]
@@ -258,3 +272,14 @@ class DraftModel(nn.Module):
                              f"unexpected {unexpected[:5]})")
         model.freeze_embeddings()
         return model.to(device)
+
+
+def save_draft(model: nn.Module, out_dir: str | Path) -> None:
+    """config.json + model.safetensors (every persistent tensor but the recomputed rotary buffers)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(asdict(model.config), indent=2, sort_keys=True) + "\n")
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "deepspec-draft"})

@@ -1,6 +1,7 @@
 """Assemble a training run: dataset, draft initialised from the target, trainer, callbacks."""
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from deepspec.models.target import load_identity
 from deepspec.train.callbacks import DvcLiveMetrics, JsonMetrics, ProgressBar
 from deepspec.train.trainer import Trainer
 
+
+log = logging.getLogger(__name__)
 
 # the token name speculators and sglang give a mask token they add to a tokenizer that lacks one
 DEFAULT_MASK_TOKEN = "<|MASK|>"
@@ -47,18 +50,34 @@ def sample_from_anchor(cfg: TrainConfig) -> bool:
     return cfg.algorithm == "dspark" if cfg.sample_from_anchor is None else cfg.sample_from_anchor
 
 
-def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path) -> DraftModel:
+def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path, vocab_counts=None) -> DraftModel:
+    """A fresh draft initialised from the target. EAGLE-3 also needs the loss-token frequencies of the
+    cache (`vocab_counts`, see eagle3.loss_token_counts) for its reduced vocabulary."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     identity = load_identity(target_dir)
     target_cfg = AutoConfig.from_pretrained(target_dir)
     text_cfg = getattr(target_cfg, "text_config", target_cfg)
-    mask_id, mask_text = resolve_mask_token(cfg, AutoTokenizer.from_pretrained(target_dir), text_cfg.vocab_size)
+    eagle = cfg.algorithm == "eagle3"
+    mask_id, mask_text = (-1, "") if eagle else \
+        resolve_mask_token(cfg, AutoTokenizer.from_pretrained(target_dir), text_cfg.vocab_size)
     draft_cfg = DraftConfig.for_target(cfg.algorithm, text_cfg, layers, cfg.block_size, cfg.draft_layers,
                                        cfg.markov_rank, identity, mask_token_id=mask_id, mask_token=mask_text,
-                                       sample_from_anchor=sample_from_anchor(cfg))
+                                       sample_from_anchor=sample_from_anchor(cfg), ttt_steps=cfg.ttt_steps,
+                                       draft_vocab_size=cfg.draft_vocab_size)
     torch.manual_seed(cfg.seed)
-    model = DraftModel(draft_cfg)
+    if eagle:
+        from deepspec.models.eagle3 import Eagle3Model, vocab_map
+
+        try:
+            model = Eagle3Model(draft_cfg)
+        except ValueError as e:
+            raise ConfigError(f"train: {e}") from None
+        if vocab_counts is None:
+            raise ValueError("an EAGLE-3 draft needs the cache's loss-token counts for its draft vocabulary")
+        model.set_vocab(*vocab_map(vocab_counts, draft_cfg.draft_vocab_size, draft_cfg.vocab_size))
+    else:
+        model = DraftModel(draft_cfg)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     model.copy_target_embeddings(target)
     return model
@@ -87,11 +106,24 @@ def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_di
     identity = load_identity(target_dir)
     dataset = TargetCacheDataset(cache_url, layers=layers, storage_options=storage_options,
                                  expect={"target": identity})
-    model = new_draft(cfg, layers, target_dir).to(device)
+    counts = None
+    if cfg.algorithm == "eagle3":
+        from deepspec.models.eagle3 import loss_token_counts
+
+        tokens = TargetCacheDataset(cache_url, layers=[], fields=("input_ids", "loss_mask"),
+                                    storage_options=storage_options)
+        counts = loss_token_counts(tokens)
+    model = new_draft(cfg, layers, target_dir, counts).to(device)
+    if counts is not None:
+        log.info("eagle3: target layers %s, draft vocabulary of %d of the target's %d tokens (%d distinct loss "
+                 "tokens in the cache)", layers, model.config.draft_vocab_size, model.config.vocab_size, len(counts))
     ddp = None
     if world > 1:
+        # every buffer is constant (rotary tables, EAGLE-3's vocabulary maps and the target's head it keeps for
+        # the loss): nothing to broadcast at each step
         ddp = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True)
+            model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True,
+            broadcast_buffers=False)
     fp = resume_fingerprint(cfg, layers, identity["id"], dataset.manifest)
     # dvclive starts a fresh curve unless the trainer resumes (then it keeps the steps up to the checkpoint)
     callbacks = [ProgressBar(), DvcLiveMetrics(out_dir / "live"), JsonMetrics(out_dir / "metrics.json")]

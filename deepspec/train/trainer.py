@@ -31,7 +31,7 @@ from deepspec.loader.sampler import ResumableBatchSampler
 from deepspec.train.checkpoint import (CheckpointError, check_model_state, check_optimizer_state, checkpoint_step,
                                        load_optimizer_tensors, optimizer_tensors, read_checkpoint, save_checkpoint,
                                        set_aside_stale, steps_beyond, valid_checkpoints)
-from deepspec.train.loss import anchor_generator, anchor_key, sample_anchors, slot_weights
+from deepspec.train.loss import anchor_generator, anchor_key, sample_anchors
 from deepspec.train.schedule import lr_factor
 
 log = logging.getLogger(__name__)
@@ -294,8 +294,7 @@ class Trainer:
             self.state.position = 0
 
     def _global_weight(self, anchors_and_batches) -> float:
-        local = sum(float(slot_weights(b, a, self.model.config.num_drafts, self.cfg.decay_gamma).sum())
-                    for b, a in anchors_and_batches)
+        local = sum(float(self.model.loss_weights(b, a, self.cfg.decay_gamma).sum()) for b, a in anchors_and_batches)
         if self.world_size > 1:
             t = torch.tensor([local], dtype=torch.float64, device=self.device)
             torch.distributed.all_reduce(t)

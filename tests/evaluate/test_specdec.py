@@ -223,3 +223,104 @@ def test_the_draft_proposes_under_the_same_filters():
     assert (q.masked_fill(~kept, 1.0) >= 0.3 * q.amax(-1, keepdim=True) - 1e-6).all()  # min-p held on the draft
     assert kept.sum(-1).max() <= 12 and (kept.sum(-1) < 12).any()
     assert all(p.q[i, t] > 0 for p in drafter.seen for i, t in enumerate(p.tokens))
+
+
+# ---- EAGLE-3: the chain drafter --------------------------------------------------------------------------
+
+def random_eagle3(target, layers, steps=3, draft_vocab=None, seed=0):
+    """A random EAGLE-3 draft whose reduced vocabulary leaves tokens out (the d2t map is exercised)."""
+    from deepspec.models.eagle3 import Eagle3Model, vocab_map
+
+    torch.manual_seed(seed)
+    V = target.config.vocab_size
+    Vd = draft_vocab or V // 2
+    cfg = DraftConfig.for_target("eagle3", target.config, layers, 4, 1, 0, {}, ttt_steps=steps, draft_vocab_size=Vd)
+    draft = Eagle3Model(cfg)
+    draft.set_vocab(*vocab_map({t: V - t for t in range(1, V, 2)}, Vd, V))   # odd ids first: not a prefix of the vocab
+    draft.copy_target_embeddings(target)
+    with torch.no_grad():
+        for n, p in draft.named_parameters():
+            if p.requires_grad:
+                p.normal_(mean=1.0 if "norm" in n else 0.0, std=0.3 if "norm" not in n else 0.1)
+    return draft.eval()
+
+
+def test_eagle3_greedy_speculative_equals_plain_greedy(trained_target):
+    tok = AutoTokenizer.from_pretrained(trained_target)
+    target = AutoModelForCausalLM.from_pretrained(trained_target)
+    for steps in (1, 4):
+        dec = SpecDecoder(target, random_eagle3(target, [-1, 0, 2], steps), {tok.eos_token_id})
+        for ids in prompts_of(tok, 6):
+            spec = dec.speculative(ids, 30, Warp())
+            assert spec.tokens == dec.plain(ids, 30, Warp()).tokens
+            assert max(r.proposed for r in spec.rounds) == steps
+
+
+def test_a_random_eagle3_draft_gives_tau_near_one(trained_target):
+    tok = AutoTokenizer.from_pretrained(trained_target)
+    target = AutoModelForCausalLM.from_pretrained(trained_target)
+    dec = SpecDecoder(target, random_eagle3(target, [-1, 0, 2], 4, seed=3), {tok.eos_token_id})
+    results = [dec.speculative(ids, 30, Warp()) for ids in prompts_of(tok)]
+    assert round_metrics(results, 4)["tau"] < 1.3
+
+
+def test_the_chain_drafter_computes_what_training_unrolls(trained_target):
+    """Decoding's chain (committed pairs cached, chain keys per round) equals the training-time test's
+    unrolled forward on the same tokens: draft k of row t, fed the data's tokens, gives the same logits."""
+    from deepspec.evaluate.specdec import ChainDrafter
+    from deepspec.models.capture import capture_layers
+
+    tok = AutoTokenizer.from_pretrained(trained_target)
+    target = AutoModelForCausalLM.from_pretrained(trained_target).eval()
+    draft = random_eagle3(target, [-1, 0, 2], 3, draft_vocab=target.config.vocab_size)  # full vocab: q is exact
+    ids = torch.tensor([encode_prompt(tok, SAMPLE_CONVERSATIONS[-1][:3])])
+    T = ids.shape[1]
+    with torch.no_grad(), capture_layers(target, [-1, 0, 2]) as store:
+        target(input_ids=ids)
+    feats = torch.cat([store[i] for i in (-1, 0, 2)], dim=-1)[0]
+    n = T - 1
+    with torch.no_grad():  # the training path: every row at once, steps unrolled with the data's tokens
+        h, past, want = draft.fc(feats[None, :n]), [], []
+        causal, diag = torch.ones(n, n, dtype=torch.bool).tril(), torch.eye(n, dtype=torch.bool)
+        for k in range(3):
+            h, kv = draft.step(torch.nn.functional.pad(ids[:, 1 + k:], (0, k)), h, torch.arange(1, T)[None] + k,
+                               torch.cat([causal] + [diag] * k, dim=1), past)
+            past.append(kv)
+            want.append(draft.logits(h[0]).softmax(-1))
+
+    class Teacher(Warp):  # a plain softmax, and the data's next token as the "sample"
+        def sample(self, probs, gen):
+            return self.next.pop(0)
+
+    for t0 in (4, 8, T - 7):   # a first round commits the pairs before c1, a second the pairs c1 .. t0
+        drafter, warp, c1 = ChainDrafter(draft), Teacher(temperature=1.0), t0 - 3
+        warp.next = ids[0, c1 + 1:c1 + 4].tolist()
+        drafter.propose(feats[:c1], torch.arange(c1), ids[0, c1].item(), c1, warp, None, ids[0, :c1].tolist())
+        warp.next = ids[0, t0 + 2:t0 + 5].tolist()
+        prop = drafter.propose(feats[c1:t0 + 1], torch.arange(c1, t0 + 1), ids[0, t0 + 1].item(), t0 + 1, warp,
+                               None, ids[0, c1:t0 + 1].tolist())
+        for k in range(3):   # row t0 = the last committed feature's position; step k drafts token t0+2+k
+            torch.testing.assert_close(prop.q[k], want[k][t0], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("warp", [Warp(temperature=1.0), Warp(temperature=0.8, top_k=5, top_p=0.9)])
+def test_eagle3_sampling_preserves_the_target_distribution_with_a_reduced_vocabulary(warp):
+    """Tokens outside the draft vocabulary come only from the target's residual: still its exact law."""
+    target = tiny_lm()
+    draft = random_eagle3(target, [-1, 0, 1], 3, draft_vocab=5, seed=1)
+    dec = SpecDecoder(target, draft, stop_ids=set())
+    prompt, n = [1, 2, 3], 3000
+    counts = collections.Counter(tuple(dec.speculative(prompt, 3, warp, seed=s).tokens) for s in range(n))
+    expected = {}
+    with torch.no_grad():
+        p1 = warp.probs(target(torch.tensor([prompt])).logits[0, -1])
+        for a in (a for a in range(8) if p1[a] > 0):
+            p2 = warp.probs(target(torch.tensor([prompt + [a]])).logits[0, -1])
+            for b in (b for b in range(8) if p2[b] > 0):
+                p3 = warp.probs(target(torch.tensor([prompt + [a, b]])).logits[0, -1])
+                for c in (c for c in range(8) if p3[c] > 0):
+                    expected[(a, b, c)] = float(p1[a] * p2[b] * p3[c]) * n
+    assert set(counts) <= set(expected)
+    assert chi_square_pvalue(counts, expected) > 1e-3
+    outside = set(range(8)) - set(draft.draft_ids().tolist())
+    assert any(t in outside for seq in counts for t in seq)   # the residual did produce out-of-vocabulary tokens

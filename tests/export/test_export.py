@@ -314,7 +314,8 @@ def test_export_stage_writes_formats_and_the_report(tmp_path, trained_target, ta
     proc = subprocess.run([sys.executable, str(REPO / "stages" / "export.py")], cwd=work, env=project_env(REPO),
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"speculators": "exported", "dflash": "refused"}
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"speculators": "exported", "dflash": "refused",
+                                                                "sglang-eagle3": "refused"}
     report = json.loads((work / "data" / "export" / "report.json").read_text())
     assert report["verifier"] == "data/target" and report["draft"]["target_id"] == ident["id"]
     assert sorted(p.name for p in (work / "data" / "export").iterdir()) == ["report.json", "speculators"]

@@ -239,3 +239,67 @@ def _curve(work: Path):
     rows = [line.split("\t") for line in tsv.read_text().splitlines()]
     col = rows[0].index("loss")
     return [float(r[col]) for r in rows[1:]]
+
+
+# ---- EAGLE-3 ----------------------------------------------------------------------------------------------
+
+def test_eagle3_trains_from_the_same_cache_with_a_reduced_vocabulary(tmp_path, small_cache, trained_target):
+    from collections import Counter
+
+    from deepspec.models.eagle3 import Eagle3Model
+
+    cfg, final = train(tmp_path, small_cache, trained_target, algorithm="eagle3", ttt_steps=3, draft_vocab_size=64,
+                       batch_size=8, steps=30)
+    curve = losses(tmp_path)
+    assert sum(curve[-5:]) / 5 < 0.8 * sum(curve[:3]) / 3
+    draft = DraftModel.load(tmp_path / "draft")
+    assert isinstance(draft, Eagle3Model) and draft.config.target_layers == [-1, 0, 2]
+    assert draft.config.block_size == draft.config.num_drafts == 3 and draft.config.draft_vocab_size == 64
+    assert draft.layers[0].self_attn.q_proj.weight.shape[1] == 2 * draft.config.hidden_size       # [emb ; hidden]
+    assert not hasattr(draft.layers[0].self_attn, "q_norm")                                       # Llama-shaped
+    # the draft vocabulary = the 64 most frequent loss tokens of the cache
+    data = TargetCacheDataset(str(small_cache), layers=[], fields=("input_ids", "loss_mask"))
+    counts = Counter()
+    for i in range(len(data)):
+        counts.update(data[i]["input_ids"][data[i]["loss_mask"].bool()].tolist())
+    ids = draft.draft_ids().tolist()
+    assert ids == sorted(ids) and len(set(ids)) == 64 and draft.t2d.sum() == 64 and draft.t2d[ids].all()
+    top = sorted(counts, key=lambda t: (-counts[t], t))[:64]
+    assert set(top) <= set(ids) if len(counts) >= 64 else set(counts) <= set(ids)
+    assert min(counts[t] for t in ids if t in counts) >= max((counts[t] for t in counts if t not in ids), default=0)
+    # the draft head starts from (and trains away from) the target's rows; embeddings stay frozen
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(trained_target)
+    assert torch.equal(draft.embed_tokens.weight, target.get_input_embeddings().weight)
+    assert not torch.equal(draft.lm_head.weight, target.get_output_embeddings().weight[ids])
+
+
+def test_eagle3_training_unrolls_ttt_steps_on_every_supervised_position(small_cache, trained_target):
+    """Step k of row t predicts token t+2+k; it counts while every label up to it is a loss token."""
+    from deepspec.models.eagle3 import eagle3_weights
+
+    batch = collate([TargetCacheDataset(str(small_cache), layers=[-1, 0, 2])[i] for i in range(2)])
+    w = eagle3_weights(batch, 3, 1e9)
+    lm = batch["loss_mask"].bool()
+    for b in range(2):
+        n = int(batch["lengths"][b])
+        for t in range(n - 1):
+            for k in range(3):
+                expect = all(t + 2 + j < n and lm[b, t + 2 + j] for j in range(k + 1))
+                assert bool(w[b, t, k]) == expect, (b, t, k)
+    assert w.sum() > 0
+
+
+def test_eagle3_layers_default_and_must_be_three():
+    from deepspec.config import ConfigError, params_from_dict
+
+    p = params_from_dict({"train": {"algorithm": "eagle3"}})
+    assert p.train_layers == [1, 17, 33]                  # lowest, middle, highest of [1, 9, 17, 25, 33]
+    assert params_from_dict({"layers": [9, 25, 2, 5], "train": {"algorithm": "eagle3"}}).train_layers == [2, 9, 25]
+    assert params_from_dict({"train": {"algorithm": "eagle3", "layers": [9, 25, 33]}}).train_layers == [9, 25, 33]
+    with pytest.raises(ConfigError, match="exactly three"):
+        params_from_dict({"train": {"algorithm": "eagle3", "layers": [9, 25]}})
+    with pytest.raises(ConfigError, match="exactly three"):
+        params_from_dict({"layers": [9, 25], "train": {"algorithm": "eagle3"}})
+    assert params_from_dict({"train": {"layers": [9, 25]}}).train_layers == [9, 25]  # other algorithms: any subset

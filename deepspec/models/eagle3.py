@@ -1,0 +1,269 @@
+"""EAGLE-3 draft: a chain drafter on fused target features, trained from the same cache as DSpark/DFlash.
+
+The public definitions this follows (speculators' `Eagle3DraftModel` with a Llama first layer, sglang's
+`LlamaForCausalLMEagle3`, both after EAGLE's cnets.py):
+  - `fc` fuses the target's features at exactly three layers (concatenated, 3 x H_target -> H);
+  - one Llama-shaped decoder layer reads [input_layernorm(embed(token)) ; hidden_norm(hidden)]: q/k/v
+    take 2H, no q/k norm; the residual is the un-normalised hidden;
+  - `norm` + `lm_head` give logits over a reduced draft vocabulary of `draft_vocab_size` tokens:
+    `d2t[i]` is the offset of draft token i (target id = i + d2t[i]), `t2d` marks the target tokens
+    kept, both built from the cache's loss-token frequencies (the most frequent, ids ascending).
+Positions: the pair (token x_{t+1}, feature g_t of token t) sits at position t+1 and predicts x_{t+2}.
+Chain step k (k >= 1) of that row reads the token of step k-1 and the layer output of step k-1,
+sits at position t+1+k and attends to the step-0 keys of positions <= t+1 and to its own row's
+earlier chain keys (the "training-time test": training unrolls `ttt_steps` such steps with the data's
+tokens as inputs; decoding runs them with the draft's own tokens).
+
+The target's full lm_head is kept as a non-persistent buffer for the loss (p_target over the whole
+vocabulary); it is not saved: engines never need it, and a draft in use takes only its own head.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
+                                                      apply_rotary_pos_emb)
+
+EAGLE3_AUX_LAYERS = 3  # sglang fixes the fused input at 3 x target hidden
+
+
+def llama_config(cfg) -> LlamaConfig:
+    return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                       num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                       num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+                       rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
+                       attention_bias=False, mlp_bias=False, hidden_act="silu")
+
+
+def vocab_map(counts: Counter | dict, draft_vocab_size: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d): the `draft_vocab_size` most frequent tokens (ties by id; topped up with the lowest
+    unused ids when fewer tokens occur), ids ascending; d2t holds offsets, t2d a bool mask over the target
+    vocabulary (the layout speculators, vLLM and sglang read)."""
+    if not 0 < draft_vocab_size <= vocab_size:
+        raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in [1, {vocab_size}] (the target's vocabulary)")
+    ranked = sorted((t for t in counts if 0 <= t < vocab_size), key=lambda t: (-counts[t], t))[:draft_vocab_size]
+    chosen = set(ranked)
+    for t in range(vocab_size):
+        if len(chosen) >= draft_vocab_size:
+            break
+        chosen.add(t)
+    ids = torch.tensor(sorted(chosen), dtype=torch.long)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(draft_vocab_size), t2d
+
+
+def loss_token_counts(dataset) -> Counter:
+    """Frequencies of the tokens the loss sees (loss_mask 1) over a TargetCacheDataset of ids + masks."""
+    counts: Counter = Counter()
+    for i in range(len(dataset)):
+        item = dataset[i]
+        ids = item["input_ids"].numpy()[item["loss_mask"].numpy().astype(bool)]
+        values, n = np.unique(ids, return_counts=True)
+        counts.update(dict(zip(values.tolist(), n.tolist())))
+    return counts
+
+
+class Eagle3Layer(nn.Module):
+    """Llama decoder layer whose attention reads [embeddings ; hidden] (2H). Names as in speculators/sglang."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        H, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(2 * H, self.num_heads * hd, bias=False)
+        self.self_attn.k_proj = nn.Linear(2 * H, self.num_kv_heads * hd, bias=False)
+        self.self_attn.v_proj = nn.Linear(2 * H, self.num_kv_heads * hd, bias=False)
+        self.self_attn.o_proj = nn.Linear(self.num_heads * hd, H, bias=False)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, rope, mask: torch.Tensor | None,
+                past: list[tuple[torch.Tensor, torch.Tensor]] = ()):
+        """emb, hidden: [B, Q, H]; past: earlier (k, v) blocks this step attends to (mask columns in
+        that order, then its own). Returns (output [B, Q, H], its own (k, v))."""
+        a = self.self_attn
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
+        shape = (*x.shape[:-1], -1, self.head_dim)
+        q = a.q_proj(x).view(shape).transpose(1, 2)
+        k = a.k_proj(x).view(shape).transpose(1, 2)
+        v = a.v_proj(x).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *rope)
+        keys = torch.cat([*(p[0] for p in past), k], dim=2)
+        values = torch.cat([*(p[1] for p in past), v], dim=2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim ** -0.5,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        h = hidden + a.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:-1], -1))
+        return h + self.mlp(self.post_attention_layernorm(h)), (k, v)
+
+
+class Eagle3Model(nn.Module):
+    FROZEN = ("embed_tokens.weight",)
+
+    def __init__(self, config):
+        super().__init__()
+        if len(config.target_layers) != EAGLE3_AUX_LAYERS:
+            raise ValueError(f"EAGLE-3 fuses exactly {EAGLE3_AUX_LAYERS} target layers, got {config.target_layers}")
+        if config.num_layers != 1:
+            raise ValueError(f"EAGLE-3 has one decoder layer (train.draft_layers: 1), got {config.num_layers}")
+        self.config = config
+        lc = llama_config(config)
+        H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
+        self.embed_tokens = nn.Embedding(V, H)
+        self.fc = nn.Linear(config.target_hidden_size * EAGLE3_AUX_LAYERS, H, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(lc)])
+        self.norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(H, Vd, bias=False)
+        self.rotary = LlamaRotaryEmbedding(lc)
+        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
+        self.register_buffer("verifier_head", torch.zeros(0, H), persistent=False)
+        for name, p in self.named_parameters():
+            if name not in self.FROZEN and p.ndim >= 2:
+                nn.init.normal_(p, std=0.02)
+
+    # ---- set-up --------------------------------------------------------------------------------
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+
+    def copy_target_embeddings(self, target) -> None:
+        """The target's embeddings (frozen), its lm_head rows of the draft vocabulary as the draft head's
+        start (trained), and its full head for the loss."""
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+            head = target.get_output_embeddings().weight.detach().clone()
+            self.lm_head.weight.copy_(head[self.draft_ids()])
+            self.verifier_head = head.to(self.fc.weight.device)
+        self.freeze_embeddings()
+
+    def freeze_embeddings(self) -> None:
+        self.embed_tokens.weight.requires_grad_(False)
+
+    def draft_ids(self) -> torch.Tensor:
+        """[Vd] target id of each draft token."""
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def target_to_draft(self) -> torch.Tensor:
+        """[V] draft index of each target token, -1 outside the draft vocabulary."""
+        idx = torch.cumsum(self.t2d.long(), 0) - 1
+        return torch.where(self.t2d, idx, torch.full_like(idx, -1))
+
+    # ---- forward pieces ------------------------------------------------------------------------
+    @property
+    def layer(self) -> Eagle3Layer:
+        return self.layers[0]
+
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, mask, past=()):
+        """One pass of the decoder layer: tokens/pos [B, Q], hidden [B, Q, H] -> (output, (k, v))."""
+        emb = self.embed_tokens(tokens).to(hidden.dtype)
+        return self.layer(emb, hidden, self.rotary(hidden, pos), mask, past)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[.., H] layer outputs -> [.., Vd] draft-vocabulary logits (fp32)."""
+        return self.lm_head(self.norm(h)).float()
+
+    def forward(self, batch: dict, anchors, ce_w: float, l1_w: float, conf_w: float, decay_gamma: float,
+                norm: float | None = None):
+        """Training forward (the loss); `anchors` are unused: every position drafts."""
+        return eagle3_loss(self, batch, ce_w, l1_w, decay_gamma, norm)
+
+    def loss_weights(self, batch: dict, anchors, decay_gamma: float) -> torch.Tensor:
+        return eagle3_weights(batch, self.config.ttt_steps, decay_gamma)
+
+    def save(self, out_dir) -> None:
+        from deepspec.models.draft import save_draft
+
+        save_draft(self, out_dir)
+
+
+# ---- training: the training-time test unrolled over ttt_steps ---------------------------------------
+
+def _eagle3_valid(batch: dict, steps: int) -> torch.Tensor:
+    """[B, T-1, K]: row t, step k predicts token t+2+k; it counts while every label up to it is a loss
+    token inside the sample (the cumulative mask DSpark's drafts use too)."""
+    ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+    lengths = batch["lengths"].to(ids.device)
+    B, T = ids.shape
+    label = torch.arange(T - 1, device=ids.device)[:, None] + 2 + torch.arange(steps, device=ids.device)  # [T-1, K]
+    inside = label[None] < lengths[:, None, None]
+    sup = torch.gather(loss_mask, 1, label.clamp(max=T - 1).reshape(1, -1).expand(B, -1)).view(B, T - 1, steps)
+    return torch.cumprod((inside & sup).int(), dim=2).bool()
+
+
+def eagle3_weights(batch: dict, steps: int, decay_gamma: float) -> torch.Tensor:
+    valid = _eagle3_valid(batch, steps)
+    k = torch.arange(steps, device=valid.device)
+    return valid.float() * torch.exp(-k.float() / decay_gamma)
+
+
+def eagle3_loss(model: Eagle3Model, batch: dict, ce_w: float, l1_w: float, decay_gamma: float,
+                norm: float | None = None):
+    """The DSpark loss terms per (row, step): ce_w * CE(data token) + l1_w * |p_draft - p_target|_1, with
+    p_draft over the draft vocabulary placed in the target's (zero elsewhere; a data token outside the
+    draft vocabulary has no CE term), so alpha = 1 - L1/2 is the sampled acceptance probability."""
+    from deepspec.train.loss import LossOutput
+
+    K = model.config.ttt_steps
+    ids = batch["input_ids"]
+    B, T = ids.shape
+    n = T - 1
+    dtype = model.fc.weight.dtype
+    valid = _eagle3_valid(batch, K)                                                  # [B, n, K]
+    w = valid.float() * torch.exp(-torch.arange(K, device=ids.device).float() / decay_gamma)
+    total = (w.sum() if norm is None else torch.as_tensor(norm, device=w.device)).clamp_min(1e-6)
+    causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+    diag = torch.eye(n, dtype=torch.bool, device=ids.device)
+    pos = torch.arange(1, T, device=ids.device)[None].expand(B, n)
+    h = model.fc(batch["hidden"][:, :n].to(dtype))
+    t2d_index, draft_ids = model.target_to_draft(), model.draft_ids()
+    past, loss = [], torch.zeros((), device=ids.device)
+    ce_sum = l1_sum = 0.0
+    agree = torch.zeros(B, n, K, dtype=torch.bool, device=ids.device)
+    alpha_full = torch.zeros(B, n, K, device=ids.device)
+    for k in range(K):
+        tokens = F.pad(ids[:, 1 + k:], (0, k))                                       # x_{t+1+k}, data tokens
+        mask = torch.cat([causal] + [diag] * k, dim=1)
+        h, kv = model.step(tokens, h, pos + k, mask, past)
+        past.append(kv)
+        sel = valid[:, :, k]
+        if not sel.any():
+            continue
+        b_idx, t_idx = sel.nonzero(as_tuple=True)
+        logits = model.logits(h[sel])                                                 # [M, Vd]
+        labels = ids[b_idx, t_idx + 2 + k]
+        with torch.no_grad():
+            p_target = F.linear(batch["last_hidden"][b_idx, t_idx + 1 + k].to(dtype),
+                                model.verifier_head.to(dtype)).float().softmax(-1)
+        p_draft = logits.softmax(-1)
+        p_t_draft = p_target[:, draft_ids]
+        l1 = (p_draft - p_t_draft).abs().sum(-1) + (1 - p_t_draft.sum(-1)).clamp_min(0)
+        d_label = t2d_index[labels]
+        ce = F.cross_entropy(logits, d_label.clamp_min(0), reduction="none") * (d_label >= 0)
+        wk = w[:, :, k][sel]
+        loss = loss + (ce_w * (ce * wk).sum() + l1_w * (l1 * wk).sum()) / total
+        ce_sum += float((ce * wk).sum().detach())
+        l1_sum += float((l1 * wk).sum().detach())
+        with torch.no_grad():
+            agree[:, :, k][sel] = draft_ids[logits.argmax(-1)] == p_target.argmax(-1)
+            alpha_full[:, :, k][sel] = (1 - 0.5 * l1).clamp(0, 1)
+    metrics = {"ce": ce_sum / float(total), "l1": l1_sum / float(total), "supervised_slots": int(valid.sum()),
+               "weight": float(w.sum()), "loss": float(loss.detach())}
+    rows = valid[:, :, 0]
+    if rows.any():
+        metrics["tau_prob"] = float(1 + torch.cumprod(alpha_full, 2).sum(-1)[rows].mean())
+        metrics["tau_greedy"] = float(1 + torch.cumprod(agree.float(), 2).sum(-1)[rows].mean())
+    for k in range(K):
+        m = valid[:, :, k]
+        if m.any():
+            metrics[f"acc@{k}"] = float(agree[:, :, k][m].float().mean())
+    return LossOutput(loss, metrics)
