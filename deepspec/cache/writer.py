@@ -45,6 +45,10 @@ class PartData:
     input_ids: np.ndarray             # int32 [T]
     loss_mask: np.ndarray             # uint8 [T]
     hidden: dict = field(default_factory=dict)
+    # arrays this part takes from another store (deepspec.cache.derive): their names, and a callback
+    # that puts them into the new part group (writer, group) before the part is committed
+    copied: tuple = ()
+    copy: object = None
 
     @property
     def tokens(self) -> int:
@@ -144,6 +148,8 @@ class CacheWriter:
         old = dict(self.root.attrs)
         if old.get("format") == FORMAT:
             why = manifest_mismatch(old, self.manifest)
+            if why is None and "derived_from" in old and "derived_from" not in self.manifest:
+                self.manifest["derived_from"] = old["derived_from"]  # provenance outlives a later growth run
             if why is not None:
                 if not prune_stale:
                     raise CacheFormatError(f"{self.url}: existing cache does not match ({why}); refusing to "
@@ -350,12 +356,16 @@ class CacheWriter:
         # a part is only ever created (on S3 by conditional PUTs, store.FencedS3Store): a name that
         # exists is an error, never an overwrite
         group = self.root.create_group(f"parts/{part.name}", attributes={"committed": False})
+        if part.copy is not None:
+            part.copy(self, group)
         offsets = np.zeros(len(part.lengths) + 1, dtype=np.int64)
         np.cumsum(part.lengths, out=offsets[1:])
-        self._array(group, "offsets", offsets, max(len(offsets), 1))
-        self._array(group, "sample_id", part.sample_ids.astype(np.uint64), max(len(part.sample_ids), 1))
-        self._array(group, "input_ids", part.input_ids.astype(np.int32), TOKEN_CHUNK_1D)
-        self._array(group, "loss_mask", part.loss_mask.astype(np.uint8), TOKEN_CHUNK_1D)
+        for name, data, rows in (("offsets", offsets, max(len(offsets), 1)),
+                                 ("sample_id", part.sample_ids.astype(np.uint64), max(len(part.sample_ids), 1)),
+                                 ("input_ids", part.input_ids.astype(np.int32), TOKEN_CHUNK_1D),
+                                 ("loss_mask", part.loss_mask.astype(np.uint8), TOKEN_CHUNK_1D)):
+            if name not in part.copied:
+                self._array(group, name, data, rows)
         for layer, values in part.hidden.items():
             bits, scale = values if isinstance(values, tuple) else encode_hidden(torch.as_tensor(values), dtype)
             self._array(group, hidden_name(layer), bits, chunk)
