@@ -204,3 +204,73 @@ def test_derive_from_a_store_in_an_s3_lake_uses_server_side_copies(tmp_path, tra
                                                               trained_target, SUBSET, regen_rows(15), **kw))
     assert verify(report["url"], moto.storage_options)["ok"]
     assert CacheReader(superset, moto.storage_options).layers == LAYERS
+
+
+def _dvc_cache_intact(repo: Path) -> int:
+    """Every object in DVC's cache still holds the bytes its name (their md5) says: none was modified
+    in place. Returns how many objects there are."""
+    objects = [p for p in (repo / ".dvc" / "cache" / "files" / "md5").rglob("*") if p.is_file()]
+    for p in objects:
+        if p.suffix != ".dir":
+            assert hashlib.md5(p.read_bytes()).hexdigest() == p.parent.name + p.name, p
+    return len(objects)
+
+
+@pytest.mark.slow
+def test_dvc_layer_experiment_derives_and_checkout_restores_the_superset_bit_for_bit(tmp_path, trained_target):
+    import yaml
+
+    from tests.conftest import clone_project, run
+
+    repo = clone_project(tmp_path / "repo")
+    # only the cache stage: its inputs are copied in (as in test_cache's DVC-on-S3 test)
+    pipeline = yaml.safe_load((repo / "dvc.yaml").read_text())
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"cache": pipeline["stages"]["cache"]}}))
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["layers"] = LAYERS
+    params["cache"].update(part_tokens=200)
+    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+    work = workdir(tmp_path, trained_target, regen_rows(24))
+    shutil.copytree(work / "data", repo / "data", dirs_exist_ok=True)
+    env = project_env(repo, DEEPSPEC_LOG="WARNING")
+    store = repo / "data" / "cache.zarr"
+    lock = lambda: {o["path"]: o["md5"] for o in  # noqa: E731
+                    yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["cache"]["outs"]}
+    report = lambda: json.loads((repo / "data/cache/report.json").read_text())  # noqa: E731
+
+    run(["dvc", "repro", "-s", "cache"], repo, env)
+    assert report()["mode"] == "computed"
+    superset = dict(store_files(str(store)), manifest=hashlib.sha256((store / "zarr.json").read_bytes()).hexdigest())
+    superset_hash = lock()["data/cache.zarr"]
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    run(["git", "add", "-A"], repo, env)
+    run([*git, "commit", "-qm", "superset cache"], repo, env)
+
+    out = run(["dvc", "exp", "run", "-s", "cache", "-n", "subset", "-S", f"layers={SUBSET}"], repo, env).stdout
+    assert "Running stage 'cache'" in out
+    got = report()
+    assert got["mode"] == "derived" and got["derive"]["parts_computed"] == 0, got
+    assert got["derive"]["method"] == ["hardlink"]
+    same_store(str(store), scratch(tmp_path / "s", trained_target, SUBSET, regen_rows(24)))
+    derived_files = store_files(str(store))
+    derived_hash = lock()["data/cache.zarr"]
+    assert derived_hash != superset_hash  # dvc.lock records the derived store's own hash
+    assert _dvc_cache_intact(repo) > 0
+    assert "up to date" in run(["dvc", "status", "cache"], repo, env).stdout
+
+    # back to the original: git's params/lock + dvc checkout restore the superset, bit for bit
+    run(["git", "checkout", "HEAD", "--", "params.yaml", "dvc.lock"], repo, env)
+    run(["dvc", "checkout"], repo, env)
+    assert dict(store_files(str(store)), manifest=hashlib.sha256((store / "zarr.json").read_bytes()).hexdigest()) \
+        == superset
+    assert verify(str(store))["ok"] and manifest(str(store))["layers"] == LAYERS
+    assert "up to date" in run(["dvc", "status", "cache"], repo, env).stdout
+    assert cli(["cache", "verify", str(store)]) == 0
+    # and the experiment is one `dvc exp apply` away, without running anything
+    run(["dvc", "exp", "apply", "subset"], repo, env)
+    assert store_files(str(store)) == derived_files and lock()["data/cache.zarr"] == derived_hash
+    assert "up to date" in run(["dvc", "status", "cache"], repo, env).stdout
+    run(["git", "checkout", "HEAD", "--", "params.yaml", "dvc.lock"], repo, env)
+    run(["dvc", "checkout"], repo, env)
+    assert store_files(str(store)) == {k: v for k, v in superset.items() if k != "manifest"}
+    assert _dvc_cache_intact(repo) > 0
