@@ -63,8 +63,10 @@ def stage(work: Path, layers: list[int], **cache) -> tuple[float, dict]:
     (work / "params.yaml").write_text(yaml.safe_dump(params))
     env = dict(os.environ, PYTHONPATH=str(REPO), DEEPSPEC_LOG="WARNING")
     t0 = time.time()
-    subprocess.run([sys.executable, str(REPO / "stages" / "cache.py")], cwd=work, env=env, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.run([sys.executable, str(REPO / "stages" / "cache.py")], cwd=work, env=env, text=True,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    if proc.returncode != 0:
+        raise SystemExit(f"cache stage failed in {work}:\n{proc.stderr[-3000:]}")
     return time.time() - t0, json.loads((work / "data/cache/report.json").read_text())
 
 

@@ -335,6 +335,9 @@ def prepare(cfg, want: dict, url: str, world: int = 1) -> Derivation:
     if not remote:
         recover(url)
     choice = cfg.derive_from
+    if choice and not remote and not is_remote(choice) and os.path.abspath(local_path(choice)) == \
+            os.path.abspath(local_path(url)):
+        choice = ""  # the store being replaced: derived next to itself, as by default
     if choice == "none":
         return _computed(url, remote, "cache.derive_from is none")
     if world > 1:
@@ -343,8 +346,7 @@ def prepare(cfg, want: dict, url: str, world: int = 1) -> Derivation:
     if choice:
         src = _read_manifest(choice, so)
         why = "no deepspec cache there" if src is None else why_not(src, want)
-        if why is None and src.get("format") == FORMAT and manifest_mismatch(src, want) is None \
-                and choice.rstrip("/") == url.rstrip("/"):
+        if choice.rstrip("/") == url.rstrip("/"):
             why = "it is the wanted store itself"
         if why:
             return _computed(url, remote, f"{choice}: {why}")

@@ -134,6 +134,11 @@ def test_derive_from_names_another_local_store(tmp_path, trained_target):
     assert report["mode"] == "derived" and report["derive"]["source"] == str(src / "data/cache.zarr")
     same_store(str(work / "data/cache.zarr"), scratch(tmp_path, trained_target, SUBSET, regen_rows(20)))
     assert manifest(str(src / "data/cache.zarr"))["layers"] == LAYERS and verify(str(src / "data/cache.zarr"))["ok"]
+    # naming the store being replaced is the default in-place derive, never a read of a pruned store
+    report = build(work, [0], derive_from=str(work / "data/cache.zarr"))
+    assert report["mode"] == "derived" and report["derive"]["method"] == ["hardlink"]
+    assert store_files(str(work / "data/cache.zarr")) == store_files(scratch(tmp_path / "s0", trained_target, [0],
+                                                                             regen_rows(20)))
 
 
 def test_a_kill_between_the_swap_renames_is_repaired_by_the_next_run(tmp_path, trained_target):
@@ -274,3 +279,40 @@ def test_dvc_layer_experiment_derives_and_checkout_restores_the_superset_bit_for
     run(["dvc", "checkout"], repo, env)
     assert store_files(str(store)) == {k: v for k, v in superset.items() if k != "manifest"}
     assert _dvc_cache_intact(repo) > 0
+
+
+@pytest.mark.slow
+def test_cache_stage_sigkilled_mid_derive_then_rerun_equals_an_uninterrupted_derive(tmp_path, trained_target):
+    import yaml
+
+    def params(work: Path, **cache):
+        p = yaml.safe_load((REPO / "params.yaml").read_text())
+        p["layers"] = cache.pop("layers")
+        p["cache"].update(part_tokens=20, **cache)  # one sample per part: many parts to be killed among
+        (work / "params.yaml").write_text(yaml.safe_dump(p))
+
+    cmd = [sys.executable, str(REPO / "stages" / "cache.py")]
+    env = project_env(REPO, DEEPSPEC_LOG="WARNING")
+    clean = workdir(tmp_path / "clean", trained_target, regen_rows())
+    params(clean, layers=LAYERS)
+    subprocess.run(cmd, cwd=clean, env=env, check=True, capture_output=True)
+    crash = tmp_path / "crash"
+    shutil.copytree(clean, crash, symlinks=True)
+    for w in (clean, crash):
+        params(w, layers=SUBSET, dtype="fp8")
+    subprocess.run(cmd, cwd=clean, env=env, check=True, capture_output=True)
+    staging = crash / "data" / ("cache.zarr" + STAGING)
+    proc = subprocess.Popen(cmd, cwd=crash, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and _parts(staging) < 3 and proc.poll() is None:
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    total = len(manifest(str(clean / "data/cache.zarr"))["parts"])
+    assert 0 < _parts(staging) < total, "the derive finished before it was killed"
+    assert manifest(str(crash / "data/cache.zarr"))["layers"] == LAYERS  # the superset is untouched meanwhile
+    subprocess.run(cmd, cwd=crash, env=env, check=True, capture_output=True)
+    report = json.loads((crash / "data/cache/report.json").read_text())
+    assert report["mode"] == "derived" and 0 < report["derive"]["parts_derived"] < total  # the rest was resumed
+    assert store_files(str(crash / "data/cache.zarr")) == store_files(str(clean / "data/cache.zarr"))
+    assert sorted(p.name for p in (crash / "data").iterdir()) == sorted(p.name for p in (clean / "data").iterdir())
