@@ -88,6 +88,19 @@ def test_fp8_and_codec_derive_equals_a_from_scratch_build_bitwise(tmp_path, trai
     same_store(url, scratch(tmp_path, trained_target, SUBSET, regen_rows(20), dtype=dtype, codec=codec))
 
 
+def test_re_encoding_a_part_of_more_chunks_than_one_read_takes(tmp_path, trained_target):
+    """A whole part of ~850 chunks (the default's 65,536-token parts have 1,024) is read in windows:
+    a single preadv of it exceeds the kernel's IOV_MAX and fails with EINVAL."""
+    work = workdir(tmp_path / "a", trained_target, regen_rows())
+    url = str(work / "data" / "cache.zarr")
+    build(work, LAYERS, part_tokens=4000, chunk_tokens=2)
+    assert len(manifest(url)["parts"]) == 1 and manifest(url)["num_tokens"] > 2 * 520
+    report = build(work, SUBSET, part_tokens=4000, chunk_tokens=2, dtype="fp8")
+    assert report["mode"] == "derived"
+    same_store(url, scratch(tmp_path, trained_target, SUBSET, regen_rows(), part_tokens=4000, chunk_tokens=2,
+                            dtype="fp8"))
+
+
 def test_growth_and_dropped_rows_compute_only_the_parts_whose_composition_changed(tmp_path, trained_target):
     work = workdir(tmp_path / "a", trained_target, regen_rows(30))
     url = str(work / "data" / "cache.zarr")
@@ -167,9 +180,9 @@ def _parts(url: Path) -> int:
 
 
 def test_cli_derive_sigkilled_then_rerun_gives_an_identical_store(tmp_path, trained_target):
-    work = workdir(tmp_path / "a", trained_target, regen_rows())
+    work = workdir(tmp_path / "a", trained_target, regen_rows(24))
     src = str(work / "data" / "cache.zarr")
-    build(work, LAYERS, part_tokens=20)  # one sample per part: many parts to be killed among
+    build(work, LAYERS, part_tokens=20)  # one sample per part: parts to be killed among
     total = len(manifest(src)["parts"])
     clean, crash = tmp_path / "clean.zarr", tmp_path / "crash.zarr"
     args = ["--layers", "0,2", "--dtype", "fp8"]
