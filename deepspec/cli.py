@@ -1,4 +1,4 @@
-"""`deepspec ...`: tools usable outside DVC: cache info|verify|ls|estimate and reference-format
+"""`deepspec ...`: tools usable outside DVC: cache info|verify|ls|estimate|derive and reference-format
 import/export, export, serve."""
 from __future__ import annotations
 
@@ -62,6 +62,15 @@ def main(argv: list[str] | None = None) -> int:
                                            "(its trainer requires the manifest to match it)")
     exp.add_argument("--shard-bytes", type=int, default=64 * 2**30, help="roll to a new shard file past this size")
     exp.add_argument("--storage-options", help="JSON dict passed to fsspec (e.g. endpoint_url)")
+    der = cmds.add_parser("derive", help="a store with a subset of the layers and/or fp8 values / another codec, "
+                                         "from an existing store without the target (links or re-encodes parts)")
+    der.add_argument("src", help="store path or s3://bucket/path")
+    der.add_argument("dst", help="new store path or s3://bucket/path (rerun to resume an interrupted derive)")
+    der.add_argument("--layers", type=_parse_layers, help="subset of the source's layers (default: all)")
+    der.add_argument("--dtype", choices=["bfloat16", "fp8"], help="default: the source's")
+    der.add_argument("--codec", choices=["none", "blosc-zstd", "blosc-lz4"], help="default: the source's")
+    der.add_argument("--chunk-tokens", type=int, help="default: the source's")
+    der.add_argument("--storage-options", help="JSON dict passed to fsspec (e.g. endpoint_url)")
     serve = sub.add_parser("serve", help="launch inference servers for the regen stage (GPU)")
     serve_cmds = serve.add_subparsers(dest="cmd", required=True)
     sg = serve_cmds.add_parser("sglang", help="one sglang server per GPU, and the sglang router in front")
@@ -108,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
 
             out = convert(args.src, args.dst, args.storage, args.codec,
                           storage_options=_storage_options(args.storage_options))
+        elif args.cmd == "derive":
+            from deepspec.cache.derive import derive_store
+
+            out = derive_store(args.src, args.dst, args.layers, args.dtype, args.codec, args.chunk_tokens,
+                               _storage_options(args.storage_options))
         elif args.cmd == "export-reference":
             out = reference.export_reference(args.src, args.dir, args.layers, args.target_name, args.shard_bytes,
                                              _storage_options(args.storage_options))

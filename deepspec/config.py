@@ -108,6 +108,10 @@ class CacheConfig:
     chunk_tokens: int = _f(64, ge=1)
     storage_options: dict[str, Any] = _f(factory=dict)
     threads: int = _f(0, ge=0)
+    # where a store of new content may be derived from instead of running the target
+    # (deepspec.cache.derive): "" = the store at a local url / the lake's other stores; a path or
+    # s3:// URL = that store; "none" = always compute
+    derive_from: str = ""
 
 
 @dataclass

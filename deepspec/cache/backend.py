@@ -200,9 +200,12 @@ class CacheStore(ABC):
         """Delete the store's manifest and every part (a stale local store, or a switch of backend)."""
 
     @abstractmethod
-    def write_part(self, name: str, arrays: list[ArraySpec], attrs: dict, rank: int, lease) -> PartEntry:
+    def write_part(self, name: str, arrays: list[ArraySpec], attrs: dict, rank: int, lease,
+                   before=None) -> PartEntry:
         """Create the part (never over an existing one: PartConflict), write every array, make it
-        durable and commit it; `lease.check()` is called right before the commit."""
+        durable and commit it; `lease.check()` is called right before the commit. `before(part)`, if
+        given, runs once the part exists and before its arrays are written: a derive links the
+        arrays it keeps from its source there (Zarr only; other backends refuse it)."""
 
     # ---- reading -----------------------------------------------------------------------------
     @abstractmethod

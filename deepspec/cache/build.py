@@ -133,14 +133,22 @@ def part_tokens_for(cfg: CacheConfig, hidden_size: int) -> int:
     return max(1, min(cfg.part_tokens, cfg.shard_bytes // row_bytes))
 
 
-def load_target(target_dir: Path, device: torch.device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(target_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_dir)
+
+
+def load_model(target_dir: Path, device: torch.device):
+    from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, attn_implementation="sdpa")
-    model.to(device).eval()
-    return tokenizer, model
+    return model.to(device).eval()
+
+
+def load_target(target_dir: Path, device: torch.device):
+    return load_tokenizer(target_dir), load_model(target_dir, device)
 
 
 def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir: Path,
@@ -150,11 +158,23 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
     itself, or `<lake>/<store key>` on a remote URL); returns the stage report (rank 0's view,
     `report["url"]` is the store written). Multi-rank: `barrier()` synchronises the ranks and
     `share(value)` returns rank 0's value on every rank (it passes the job's lease run id)."""
+    from deepspec.cache.derive import Derivation, prepare
+
     t0 = time.time()
     device = device or torch.device("cpu")
     ident = load_identity(target_dir)
     check_layers(layers, ident["num_layers"])
-    tokenizer, model = load_target(target_dir, device)
+    tokenizer = load_tokenizer(target_dir)
+    # the target is loaded only when a part has to be computed (a derive may need none)
+    model_box: dict = {}
+
+    def get_model():
+        if "model" not in model_box:
+            tm = time.time()
+            model_box["model"] = load_model(target_dir, device)
+            model_box["load_s"] = time.time() - tm
+        return model_box["model"]
+
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     manifest = cache_manifest(cfg, layers, ident)
@@ -166,27 +186,47 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
     if share is not None:
         run_id = share(run_id)
     writer = None
-    if rank == 0:
-        if remote:
-            check_lake(cfg.url, cfg.storage_options)
-        writer = CacheWriter(url, manifest, cfg.storage_options, rank=0, prune_stale=prune_stale, run_id=run_id)
+    derivation = Derivation(url, url)
     try:
+        if rank == 0:
+            if remote:
+                check_lake(cfg.url, cfg.storage_options)
+            t_derive = time.time()
+            derivation = prepare(cfg, manifest, url, world)  # where the store's parts can come from
+            derivation.started = t_derive
+            writer = CacheWriter(derivation.write_url, derivation.manifest(manifest), cfg.storage_options, rank=0,
+                                 prune_stale=prune_stale, run_id=run_id)
         if barrier:
             barrier()
         if writer is None:
             writer = CacheWriter(url, manifest, cfg.storage_options, rank=rank, run_id=run_id)
-        report = _build(writer, cfg, layers, regen_path, ident, tokenizer, model, pad_id, device,
-                        rank, world, barrier)
-    finally:
+        report = _build(writer, cfg, layers, regen_path, ident, tokenizer, get_model, pad_id, device,
+                        rank, world, barrier, derivation.source)
+        writer.release()
+        derivation.finish()  # a local in-place derive: the new store takes the old one's place
+    except BaseException:
         if writer is not None:
             writer.release()
+        derivation.abort()
+        raise
     report["url"] = url
     report["wall_s"] = round(time.time() - t0, 2)
+    if rank == 0:
+        derive = derivation.report(report.pop("parts_computed"))
+        if derive["source"] is not None:
+            # the derive's own work: everything from choosing the source to the swap, less the target's
+            derive["wall_s"] = round(time.time() - derivation.started - model_box.get("load_s", 0.0)
+                                     - report["forward_s"], 2)
+        report["derive"] = derive
+        report["mode"] = "derived" if derive["parts_derived"] and not derive["parts_computed"] else \
+            "derived+computed" if derive["parts_derived"] else "computed"
     return report
 
 
 def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path: Path, ident: dict, tokenizer,
-           model, pad_id: int, device: torch.device, rank: int, world: int, barrier) -> dict:
+           get_model, pad_id: int, device: torch.device, rank: int, world: int, barrier, source=None) -> dict:
+    """Write every missing part: taken from `source` (deepspec.cache.derive) when it holds a part of
+    the same composition, else computed with the target."""
     rows = list(read_jsonl(regen_path))
     samples, dropped = encode_rows(tokenizer, rows, cfg.max_length)
     done = writer.committed_sample_ids()
@@ -200,14 +240,18 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
     log.info("cache: %d rows, %d usable, %d already cached, %d parts to write (%d on this rank)",
              len(rows), len(samples), len(done), len(plan), len(mine))
 
-    forward_s = 0.0
+    forward_s, computed = 0.0, 0
     bar = tqdm(total=sum(len(s.input_ids) for _, p in mine for s in p), unit="tok", desc=f"cache[{rank}]",
                dynamic_ncols=True, disable=rank != 0 and world > 1)
     try:
         for name, part_samples in mine:
-            tf = time.time()
-            part = compute_part(model, name, part_samples, layers, cfg.batch_tokens, pad_id, device, cfg.dtype)
-            forward_s += time.time() - tf
+            part = source.part(name, part_samples) if source is not None else None
+            if part is None:
+                model = get_model()
+                tf = time.time()
+                part = compute_part(model, name, part_samples, layers, cfg.batch_tokens, pad_id, device, cfg.dtype)
+                forward_s += time.time() - tf
+                computed += 1
             writer.submit(part)
             bar.update(part.tokens)
         writer.close()
@@ -218,7 +262,8 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
         bar.close()
     if barrier:
         barrier()
-    report = {"rows": len(rows), "samples": len(samples), "dropped": dropped, "forward_s": round(forward_s, 2)}
+    report = {"rows": len(rows), "samples": len(samples), "dropped": dropped, "forward_s": round(forward_s, 2),
+              "parts_computed": computed}
     if rank == 0:
         report["manifest"] = writer.write_manifest(rescan=world > 1)  # other ranks' parts too
     return report

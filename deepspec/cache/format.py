@@ -89,7 +89,9 @@ def encode_hidden(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.ndarray |
     Encoding where the tensor lives halves the device-to-host copy."""
     if dtype == "bfloat16":
         return x.to(torch.bfloat16).contiguous().view(torch.uint16).cpu().numpy(), None
-    xf = x.float()
+    # fp8 is a function of the bfloat16 values (docs/cache-format.md §5): a store derived from a
+    # bfloat16 store (deepspec.cache.derive) then holds exactly what the stage writes itself
+    xf = x.to(torch.bfloat16).float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

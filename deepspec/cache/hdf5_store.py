@@ -269,7 +269,10 @@ class HDF5Store(CacheStore):
         self._tables.clear()
 
     # ---- writing -----------------------------------------------------------------------------
-    def write_part(self, name: str, arrays: list[ArraySpec], attrs: dict, rank: int, lease) -> PartEntry:
+    def write_part(self, name: str, arrays: list[ArraySpec], attrs: dict, rank: int, lease,
+                   before=None) -> PartEntry:
+        if before is not None:  # one file per part: a derive re-encodes instead (derive.links_only)
+            raise CacheFormatError(f"{self.url}: an HDF5 part cannot take arrays linked from another store")
         key = f"parts/{name}{SUFFIX}"
         if self.remote:  # h5py writes a local file; the part is uploaded whole
             fd, tmp = tempfile.mkstemp(suffix=SUFFIX, prefix=f"deepspec-{name}-")

@@ -41,6 +41,10 @@ class PartData:
     input_ids: np.ndarray             # int32 [T]
     loss_mask: np.ndarray             # uint8 [T]
     hidden: dict = field(default_factory=dict)
+    # arrays this part takes from another store (deepspec.cache.derive): their names, and a callback
+    # that puts them into the new part group (writer, group) before the part is committed
+    copied: tuple = ()
+    copy: object = None
 
     @property
     def tokens(self) -> int:
@@ -159,6 +163,8 @@ class CacheWriter:
         old = self.store.root_attrs()
         if old.get("format") == self.manifest.format:
             why = manifest_mismatch(old, self.manifest)
+            if why is None and "derived_from" in old and "derived_from" not in self.manifest:
+                self.manifest.extra["derived_from"] = old["derived_from"]  # provenance outlives a later growth run
             if why is not None:
                 if not prune_stale:
                     raise CacheFormatError(f"{self.url}: existing cache does not match ({why}); refusing to "
@@ -273,7 +279,10 @@ class CacheWriter:
         if not PART_NAME.fullmatch(part.name):
             raise CacheFormatError(f"part name {part.name!r} is not p + 6 digits")
         attrs = {"committed": True, "samples": int(len(part.lengths)), "tokens": part.tokens, "rank": self.rank}
-        entry = self.store.write_part(part.name, self.part_specs(part), attrs, self.rank, self.lease)
+        # arrays a derive links from its source (part.copy) are not written again
+        specs = [spec for spec in self.part_specs(part) if spec.name not in part.copied]
+        before = None if part.copy is None else (lambda group: part.copy(self, group))
+        entry = self.store.write_part(part.name, specs, attrs, self.rank, self.lease, before=before)
         log.debug("committed part %s: %d samples, %d tokens", part.name, len(part.lengths), part.tokens)
         if self._committed is not None:
             self._committed[part.name] = entry

@@ -170,7 +170,8 @@ class ZarrStore(CacheStore):
         blob = encode_shard(data, chunks[0], codec)
         sync(self.root.store.set(key, default_buffer_prototype().buffer.from_bytes(blob)))
 
-    def write_part(self, name: str, arrays: list[ArraySpec], attrs: dict, rank: int, lease) -> PartEntry:
+    def write_part(self, name: str, arrays: list[ArraySpec], attrs: dict, rank: int, lease,
+                   before=None) -> PartEntry:
         # a part is only ever created (on S3 by conditional PUTs, store.FencedS3Store): a name that
         # exists is an error, never an overwrite
         try:
@@ -178,6 +179,8 @@ class ZarrStore(CacheStore):
         except (zarr.errors.ContainsGroupError, zarr.errors.ContainsArrayError):
             raise PartConflict(f"{self.url}: parts/{name} already exists; a committed part is never "
                                "rewritten") from None
+        if before is not None:  # a derive links the arrays it keeps from its source into the new part
+            before(group)
         for spec in arrays:
             self._array(group, spec.name, spec.data, spec.chunk_rows, spec.codec)
         if not self.remote:  # an S3 PUT is durable when it returns; a local file only once fsynced

@@ -114,7 +114,8 @@ def test_content_params_change_prunes_and_rebuilds(tmp_path, trained_target, cap
     work = workdir(tmp_path, trained_target, regen_rows(10))
     build(work)
     url = str(work / "data" / "cache.zarr")
-    build_cache(CacheConfig(url=url), [0], work / "data/regen/train.jsonl", work / "data/target")
+    # derive_from none: computed (by default a layer subset is derived instead: tests/cache/test_derive.py)
+    build_cache(CacheConfig(url=url, derive_from="none"), [0], work / "data/regen/train.jsonl", work / "data/target")
     assert "existing cache is stale (layers:" in caplog.text
     reader = CacheReader(url)
     assert reader.layers == [0] and len(reader) == 10
