@@ -24,10 +24,11 @@ SUBSET = [0, 2]  # the small fixtures' `layers=[9,25]`
 
 
 def store_files(url: str) -> dict[str, str]:
-    """Every file of a local store -> sha256, the root manifest left out (it names its provenance)."""
+    """Every file of a local store -> sha256, the root manifest (Zarr's zarr.json, HDF5's manifest.json)
+    left out (it names its provenance)."""
     root = Path(url)
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and str(p.relative_to(root)) != "zarr.json"}
+            for p in sorted(root.rglob("*")) if p.is_file() and str(p.relative_to(root)) not in ("zarr.json", "manifest.json")}
 
 
 def manifest(url: str, storage_options=None) -> dict:
@@ -55,6 +56,20 @@ def scratch(tmp_path: Path, target: Path, layers, rows, **cfg) -> str:
     report = build(work, layers, derive_from="none", **cfg)
     assert report["mode"] == "computed"
     return str(work / "data" / "cache.zarr")
+
+
+@pytest.mark.parametrize("source_format", ["hdf5", "zarr"])
+def test_an_hdf5_layer_subset_is_re_encoded_and_equals_a_from_scratch_build(tmp_path, trained_target, source_format):
+    """An HDF5 part is one file holding every array: nothing to link, the kept layers are re-encoded
+    (from an HDF5 store, or from a Zarr one when the wanted store is HDF5)."""
+    work = workdir(tmp_path / "a", trained_target, regen_rows(30))
+    url = str(work / "data" / "cache.zarr")
+    build(work, LAYERS, format=source_format)
+    report = build(work, SUBSET, format="hdf5")
+    assert report["mode"] == "derived" and report["forward_s"] == 0
+    assert report["derive"]["parts_computed"] == 0 and "hardlink" not in report["derive"]["method"]
+    same_store(url, scratch(tmp_path, trained_target, SUBSET, regen_rows(30), format="hdf5"))
+    assert manifest(url)["storage"] == "hdf5"
 
 
 def test_layer_subset_is_linked_from_the_current_store_and_equals_a_from_scratch_build(tmp_path, trained_target):
