@@ -52,10 +52,9 @@ def require_target_width(cfg: DraftConfig) -> None:
                       "the engines size the feature projection as (number of layers x draft width)")
 
 
-def qwen3_layer_config(cfg: DraftConfig, dtype: str) -> dict:
-    """The draft's decoder layers as a Qwen3 config, from the draft's own config (not the target's)."""
+def _decoder_config(cfg: DraftConfig, dtype: str) -> dict:
+    """The keys a Qwen3 and a Llama decoder-layer config share, from the draft's own config."""
     return {
-        "model_type": "qwen3",
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -69,39 +68,23 @@ def qwen3_layer_config(cfg: DraftConfig, dtype: str) -> dict:
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "max_position_embeddings": cfg.max_position_embeddings,
         "attention_bias": False,
-        "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "layer_types": ["full_attention"] * cfg.num_layers,
         "tie_word_embeddings": False,
         "dtype": dtype,
         "torch_dtype": dtype,
     }
+
+
+def qwen3_layer_config(cfg: DraftConfig, dtype: str) -> dict:
+    """The draft's decoder layers as a Qwen3 config, from the draft's own config (not the target's)."""
+    return {"model_type": "qwen3", **_decoder_config(cfg, dtype), "attention_dropout": 0.0,
+            "use_sliding_window": False, "sliding_window": None,
+            "layer_types": ["full_attention"] * cfg.num_layers}
 
 
 def llama_layer_config(cfg: DraftConfig, dtype: str) -> dict:
     """EAGLE-3's decoder layer as a Llama config (no q/k norm), from the draft's own config; `vocab_size`
     is the target's (the verifier's embedding), the draft head's size is `draft_vocab_size`."""
-    return {
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "dtype": dtype,
-        "torch_dtype": dtype,
-    }
+    return {"model_type": "llama", **_decoder_config(cfg, dtype), "mlp_bias": False}
 
 
 def eagle3_tensors(draft) -> dict[str, torch.Tensor]:

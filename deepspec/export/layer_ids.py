@@ -30,11 +30,16 @@ def from_speculators(ids: list[int]) -> list[int]:
     return [i - 1 for i in ids]
 
 
-def to_dflash(ids: list[int]) -> list[int]:
+def _outputs_only(ids: list[int], engine: str) -> list[int]:
+    """Engines whose ids are layer outputs 0 .. num_layers-1 (this project's convention without -1)."""
     if any(i < 0 for i in ids):
-        raise NoSuchLayerId(f"layers {ids} include -1 (the embedding output), which the dflash layout "
+        raise NoSuchLayerId(f"layers {ids} include -1 (the embedding output), which {engine} "
                             "cannot name (its ids are layer outputs 0 .. num_layers-1)")
     return list(ids)
+
+
+def to_dflash(ids: list[int]) -> list[int]:
+    return _outputs_only(ids, "the dflash layout")
 
 
 def from_dflash(ids: list[int]) -> list[int]:
@@ -42,10 +47,7 @@ def from_dflash(ids: list[int]) -> list[int]:
 
 
 def to_sglang_eagle3(ids: list[int]) -> list[int]:
-    if any(i < 0 for i in ids):
-        raise NoSuchLayerId(f"layers {ids} include -1 (the embedding output), which sglang's EAGLE-3 ids (layer "
-                            "outputs 0 .. num_layers-1) do not name")
-    return list(ids)
+    return _outputs_only(ids, "sglang's EAGLE-3 layout")
 
 
 def from_sglang_eagle3(ids: list[int]) -> list[int]:
