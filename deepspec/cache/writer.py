@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ import torch
 
 from deepspec.cache.backend import (PART_NAME, ArraySpec, CacheStore, Manifest, PartEntry, backend_class, detect,
                                     open_for_write)
-from deepspec.cache.format import BLOSC, CONTENT_KEYS, CacheFormatError, encode_hidden, hidden_name, part_arrays, scale_name
+from deepspec.cache.format import CONTENT_KEYS, CacheFormatError, encode_hidden, hidden_name, part_arrays, scale_name
 from deepspec.cache.lease import DEFAULT_TTL_S, LEASE_NAME, acquire, join
 from deepspec.cache.store import is_remote
 
@@ -49,38 +48,6 @@ class PartData:
     @property
     def tokens(self) -> int:
         return int(self.lengths.sum())
-
-
-def encode_shard(data: np.ndarray, chunk_rows: int, codec: str) -> bytes:
-    """One Zarr v3 shard holding all of `data`: every inner chunk (full size, the last padded with
-    zeros) little-endian, optionally Blosc-compressed, followed by its crc32c; then the index of
-    (offset, nbytes) pairs and the index's crc32c (docs/cache-format.md §6)."""
-    from crc32c import crc32c
-
-    n = max(1, math.ceil(data.shape[0] / chunk_rows))
-    le = data.astype(data.dtype.newbyteorder("<"), copy=False)
-    if n * chunk_rows != data.shape[0]:
-        padded = np.zeros((n * chunk_rows, *data.shape[1:]), dtype=le.dtype)
-        padded[:data.shape[0]] = le
-        le = padded
-    flat = np.ascontiguousarray(le).reshape(n, -1)
-    blosc = None
-    if codec in BLOSC:
-        import numcodecs
-
-        cfg = BLOSC[codec]
-        blosc = numcodecs.Blosc(cname=cfg["cname"], clevel=cfg["clevel"], blocksize=cfg["blocksize"],
-                                shuffle={"shuffle": 1, "bitshuffle": 2}[cfg["shuffle"]], typesize=data.dtype.itemsize)
-    pieces, index, offset = [], np.empty((n, 2), dtype="<u8"), 0
-    for c in range(n):
-        body = blosc.encode(flat[c].view(np.uint8)) if blosc is not None else memoryview(flat[c]).cast("B")
-        pieces += [body, crc32c(body).to_bytes(4, "little")]
-        size = len(body) + 4
-        index[c] = (offset, size)
-        offset += size
-    idx = index.tobytes()
-    pieces += [idx, crc32c(idx).to_bytes(4, "little")]
-    return b"".join(pieces)
 
 
 def manifest_mismatch(old: dict, new: dict) -> str | None:

@@ -10,10 +10,42 @@ import numpy as np
 import zarr
 
 from deepspec.cache.backend import PART_NAME, ArrayLayout, ArraySpec, CacheStore, Manifest, PartEntry
-from deepspec.cache.format import FORMAT, CacheFormatError, inner_codecs
+from deepspec.cache.format import BLOSC, FORMAT, CacheFormatError, inner_codecs
 from deepspec.cache.store import PartConflict, fsync_path, fsync_tree, local_path, open_root, open_store
 
 log = logging.getLogger(__name__)
+
+
+def encode_shard(data: np.ndarray, chunk_rows: int, codec: str) -> bytes:
+    """One Zarr v3 shard holding all of `data`: every inner chunk (full size, the last padded with
+    zeros) little-endian, optionally Blosc-compressed, followed by its crc32c; then the index of
+    (offset, nbytes) pairs and the index's crc32c (docs/cache-format.md §6)."""
+    from crc32c import crc32c
+
+    n = max(1, math.ceil(data.shape[0] / chunk_rows))
+    le = data.astype(data.dtype.newbyteorder("<"), copy=False)
+    if n * chunk_rows != data.shape[0]:
+        padded = np.zeros((n * chunk_rows, *data.shape[1:]), dtype=le.dtype)
+        padded[:data.shape[0]] = le
+        le = padded
+    flat = np.ascontiguousarray(le).reshape(n, -1)
+    blosc = None
+    if codec in BLOSC:
+        import numcodecs
+
+        cfg = BLOSC[codec]
+        blosc = numcodecs.Blosc(cname=cfg["cname"], clevel=cfg["clevel"], blocksize=cfg["blocksize"],
+                                shuffle={"shuffle": 1, "bitshuffle": 2}[cfg["shuffle"]], typesize=data.dtype.itemsize)
+    pieces, index, offset = [], np.empty((n, 2), dtype="<u8"), 0
+    for c in range(n):
+        body = blosc.encode(flat[c].view(np.uint8)) if blosc is not None else memoryview(flat[c]).cast("B")
+        pieces += [body, crc32c(body).to_bytes(4, "little")]
+        size = len(body) + 4
+        index[c] = (offset, size)
+        offset += size
+    idx = index.tobytes()
+    pieces += [idx, crc32c(idx).to_bytes(4, "little")]
+    return b"".join(pieces)
 
 
 class ZarrStore(CacheStore):
@@ -156,7 +188,6 @@ class ZarrStore(CacheStore):
         from zarr.core.buffer import default_buffer_prototype
         from zarr.core.sync import sync
 
-        from deepspec.cache.writer import encode_shard
 
         rows = data.shape[0]
         chunks = (min(chunk_rows, max(rows, 1)),) + data.shape[1:]

@@ -4,7 +4,7 @@ import pytest
 import zarr
 
 from deepspec.cache.format import inner_codecs
-from deepspec.cache.writer import encode_shard
+from deepspec.cache.zarr_store import encode_shard
 
 
 @pytest.mark.parametrize("dtype, shape, chunk", [("uint16", (203, 24), 16), ("int32", (1500,), 1024),
