@@ -35,8 +35,9 @@ SMALL = {
     "cache": {"launcher": "python", "url": "data/cache.zarr"},
     "train": {"launcher": "python", "draft_layers": 1, "markov_rank": 16, "anchors_per_sample": 8,
               "grad_accum": 1, "warmup_steps": 1, "steps": 4, "checkpoint_every": 2},
-    "eval": {"max_prompts": 1, "max_new_tokens": 6},
+    "eval": {"max_new_tokens": 6},
 }
+SMALL_SUITE = {"max_prompts": 1}  # over each of the recipe's eval suites
 
 
 def recipe_blocks(text: str) -> list[tuple[str, str, str]]:
@@ -180,6 +181,7 @@ def apply_params(repo: Path, recipe: dict) -> None:
     params_from_dict(params)  # the recipe's block is valid params as written
     for section, values in SMALL.items():
         params[section] |= values
+    params["eval"]["suites"] = [suite | SMALL_SUITE for suite in params["eval"]["suites"]]
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
