@@ -21,7 +21,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup repro test test-fast lock clean-venv
+.PHONY: setup repro test test-fast lock clean-venv embedded-target
 
 setup: $(STAMP) $(PLOTS_TEMPLATE)
 
@@ -35,8 +35,18 @@ $(STAMP): requirements.lock pyproject.toml
 $(PLOTS_TEMPLATE): $(STAMP)
 	$(PY) -m deepspec.plots $@
 
+# The trained builtin:tiny target ships in embedded/ (a DVC remote in the repo): on a fresh clone it is
+# pulled, as a teammate's outputs would be, and `dvc repro` finds the target stage up to date. If
+# dvc.lock's target is not there (target params or code changed), the stage trains it (~10 min).
 repro: setup
+	@test -e data/target || dvc pull --quiet -r embedded target || echo "make: no shipped target for this dvc.lock; the target stage trains it"
 	dvc repro
+
+# Maintainers: after a change to the target stage (its params or code), rebuild the shipped target
+# and commit embedded/ with dvc.lock.
+embedded-target: setup
+	dvc repro target
+	rm -rf embedded && dvc push -r embedded target
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -81,8 +81,8 @@ class RegenConfig:
     backend: Literal["transformers", "sglang", "openai"] = "transformers"
     urls: list[str] = _f(factory=list)
     model: str = ""
-    fraction: float = _f(1.0, gt=0.0, le=1.0)
-    concurrency: int = _f(8, ge=1)
+    fraction: float = _f(0.5, gt=0.0, le=1.0)
+    concurrency: int = _f(32, ge=1)
     timeout_s: float = _f(120.0, gt=0.0)
     max_retries: int = _f(4, ge=0)
     backoff_s: float = _f(0.5, ge=0.0)
@@ -138,7 +138,7 @@ class TrainConfig:
     anchors_per_sample: int = _f(16, ge=1)
     batch_size: int = _f(8, ge=1)
     grad_accum: int = _f(1, ge=1)
-    steps: int = _f(3000, ge=1)
+    steps: int = _f(1000, ge=1)
     lr: float = _f(3e-3, gt=0.0)
     min_lr_ratio: float = _f(0.1, ge=0.0, le=1.0)
     warmup_steps: int = _f(50, ge=0)
@@ -172,8 +172,8 @@ class SuiteConfig:
 
 
 def _default_suites() -> list[SuiteConfig]:
-    return [SuiteConfig("heldout", max_prompts=40), SuiteConfig("humaneval", max_prompts=10),
-            SuiteConfig("mtbench", max_prompts=8)]
+    return [SuiteConfig("heldout", max_prompts=24), SuiteConfig("humaneval", max_prompts=6),
+            SuiteConfig("mtbench", max_prompts=4)]
 
 
 @dataclass
