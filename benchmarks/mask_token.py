@@ -31,18 +31,17 @@ def small_setup(work: Path, n_prompts: int):
     from tests.conftest import SAMPLE_CONVERSATIONS, SMALL_TINY
 
     rows = [{"id": f"{i + 1:016x}", "conversations": c} for i, c in enumerate(SAMPLE_CONVERSATIONS)]
-    prompts = [{"id": r["id"], "task": "unit", "system": None, "prompt": r["conversations"][0]["content"]}
-               for r in rows[::3]]
+    prompts = [{"id": r["id"], "task": "unit", "turns": [r["conversations"][0]["content"]]} for r in rows[::3]]
     return TinyTargetConfig(**SMALL_TINY), rows, prompts[:n_prompts], [-1, 0, 2]
 
 
 def corpus_setup(work: Path, n_prompts: int):
     split = split_rows(SplitConfig())
     seen, prompts = set(), []
-    for r in interleave_tasks([{"id": r["id"], "task": r["task"], "system": r.get("system"), "prompt": r["turns"][0]}
+    for r in interleave_tasks([{"id": r["id"], "task": r["task"], "system": r.get("system"), "turns": r["turns"][:1]}
                                for r in split.eval]):
-        if r["prompt"] not in seen:
-            seen.add(r["prompt"])
+        if r["turns"][0] not in seen:
+            seen.add(r["turns"][0])
             prompts.append(r)
     return TinyTargetConfig(num_layers=8, steps=400), split.train, prompts[:n_prompts], [1, 3, 5]
 
@@ -73,10 +72,10 @@ def main() -> None:
             out = work / f"{name}-{seed}"
             t0 = time.time()
             final = run_training(cfg, layers, str(cache), target, out / "draft", out / "train", out / "state")
-            metrics, _ = evaluate(target, out / "draft", prompts, EvalConfig(max_new_tokens=48, sample=False),
-                                  SamplingConfig())
-            tau[name] = metrics["tau"]
-            print(json.dumps({"seed": seed, "mask": name, "tau": metrics["tau"], "train_tau_greedy":
+            report, _ = evaluate(target, out / "draft", {"bench": prompts},
+                                 EvalConfig(max_new_tokens=48, sample=False), SamplingConfig())
+            tau[name] = report["suites"]["bench"]["tau"]
+            print(json.dumps({"seed": seed, "mask": name, "tau": tau[name], "train_tau_greedy":
                               final["final_tau_greedy"], "s": round(time.time() - t0)}), flush=True)
         results.append(tau)
     mean = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
