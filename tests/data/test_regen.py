@@ -266,7 +266,7 @@ def regen_workdir(tmp_path, regen: dict) -> Path:
     (work / "data" / "target").mkdir(parents=True)
     (work / "data" / "target" / "identity.json").write_text(json.dumps({"id": "t" * 16}))
     params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params["regen"] |= regen
+    params["regen"] |= {"fraction": 1.0} | regen  # every row (the embedded default takes half)
     (work / "params.yaml").write_text(yaml.safe_dump(params))
     return work
 
@@ -505,7 +505,7 @@ def test_stage_sizes_the_server_it_starts(trained_target, tmp_path):
     write_split(work / "data" / "split" / "train.jsonl", data)
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["sampling"]["max_tokens"] = 16
-    params["regen"] |= {"backend": "transformers", "concurrency": 2}
+    params["regen"] |= {"backend": "transformers", "concurrency": 2, "fraction": 1.0}
     (work / "params.yaml").write_text(yaml.safe_dump(params))
     rows_ = [{"id": str(i), "conversations": c} for i, c in enumerate(data)]
     budget = cb_budget(request_token_bound(AutoTokenizer.from_pretrained(trained_target), rows_,
