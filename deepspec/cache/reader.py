@@ -26,6 +26,22 @@ MAX_OPEN_FILES = 256
 EMPTY = 2**64 - 1  # shard index marker of a chunk that was never written
 
 
+
+# A single preadv takes at most IOV_MAX buffers (1,024 on Linux); a read of more chunks is split.
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
+
+
+def _preadv_all(fd: int, iov: list, offset: int) -> int:
+    """preadv over any number of buffers, IOV_MAX at a time; returns the bytes read (short on EOF)."""
+    got = 0
+    for i in range(0, len(iov), IOV_MAX):
+        batch = iov[i:i + IOV_MAX]
+        n = os.preadv(fd, batch, offset + got)
+        got += n
+        if n != sum(b.nbytes for b in batch):
+            break
+    return got
+
 class ChecksumError(CacheFormatError):
     pass
 
@@ -243,7 +259,7 @@ class ShardReader:
             iov.append(crc_view[4 * k:4 * k + 4])
             spans.append(parts)
         want = (c1 - c0 + 1) * (C * row_bytes + 4) + skipped  # uncompressed: every chunk is full size + trailer
-        got = os.preadv(self.files._fd(layout.key), iov, base)
+        got = _preadv_all(self.files._fd(layout.key), iov, base)
         if got != want:
             raise CacheFormatError(f"{layout.key}: short read ({got} of {want} bytes at {base})")
         if self.verify:

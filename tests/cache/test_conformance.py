@@ -302,3 +302,18 @@ def test_reading_a_layer_that_is_not_cached_names_it(where):
     with pytest.raises(CacheFormatError, match=r"layers \[5\]"):
         CacheReader(url, options).read(0, layers=[5])
     assert hidden_name(0) == "hidden/0"
+
+
+def test_a_sample_spanning_more_chunks_than_one_preadv_takes_reads_back(where):
+    """One read of 1,500 one-token chunks: more buffers than a single preadv accepts (IOV_MAX, 1024)."""
+    local_only(where)
+    from deepspec.cache.format import encode_hidden
+
+    rng = np.random.default_rng(5)
+    t = 1500
+    hidden = {layer: encode_hidden(torch.from_numpy(rng.standard_normal((t, H)).astype(np.float32)), "bfloat16")
+              for layer in [*LAYERS, "last"]}
+    part = PartData("p000000", np.array([7], dtype=np.uint64), np.array([t], dtype=np.int64),
+                    rng.integers(0, 4096, size=t).astype(np.int32), rng.integers(0, 2, size=t).astype(np.uint8), hidden)
+    write(where, [part], chunk_tokens=1, max_length=t)
+    expect_equal(CacheReader(where[1], where[2], fast=True, verify=True), [part])
