@@ -144,36 +144,21 @@ class Source:
         tokens = int(offsets[-1])
         part = PartData(name=name, sample_ids=np.asarray(r._ids[k], dtype=np.uint64),
                         lengths=np.diff(offsets).astype(np.int64),
-                        input_ids=self._read(k, "input_ids", tokens),
-                        loss_mask=self._read(k, "loss_mask", tokens))
+                        input_ids=r.read_array(k, "input_ids", 0, tokens),
+                        loss_mask=r.read_array(k, "loss_mask", 0, tokens))
         layers, dtype = self.want["layers"], self.want["dtype"]
         if self.link:
             arrays = part_arrays(layers, dtype)
             part.copied, part.copy = tuple(arrays), partial(self._copy, r.parts[k], arrays)
             return part
         for layer in [*layers, "last"]:
-            bits = self._read(k, hidden_name(layer), tokens)
+            bits = r.read_array(k, hidden_name(layer), 0, tokens)
             if self.manifest["dtype"] == dtype:  # a codec or chunking change: the values stay as they are
-                scale = self._read(k, scale_name(layer), tokens) if dtype != "bfloat16" else None
+                scale = r.read_array(k, scale_name(layer), 0, tokens) if dtype != "bfloat16" else None
                 part.hidden[layer] = (bits, scale)
             else:  # bfloat16 -> fp8: the same function of the bfloat16 values the stage applies
                 part.hidden[layer] = encode_hidden(torch.from_numpy(bits).view(torch.bfloat16), dtype)
         return part
-
-    def _read(self, k: int, name: str, tokens: int) -> np.ndarray:
-        """A whole array of part k, read a window of chunks at a time: one read of a whole part would
-        hand the kernel more buffers than one preadv takes (IOV_MAX, 1024)."""
-        r = self.reader
-        layout = r._layout(k, name)
-        step = 256 * (layout.chunk_rows if layout is not None else 1024)
-        first = r.read_array(k, name, 0, min(tokens, step))
-        if tokens <= step:
-            return first
-        out = np.empty((tokens, *first.shape[1:]), dtype=first.dtype)
-        out[:len(first)] = first
-        for start in range(step, tokens, step):
-            r.read_array(k, name, start, min(tokens, start + step), out=out[start:min(tokens, start + step)])
-        return out
 
     # ---- linking (runs on the writer's thread, between the part's creation and its commit) --------
     def _copy(self, src_part: str, arrays: list[str], writer: CacheWriter, group) -> None:

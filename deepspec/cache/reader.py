@@ -25,8 +25,6 @@ from crc32c import crc32c as _crc32c
 MAX_OPEN_FILES = 256
 EMPTY = 2**64 - 1  # shard index marker of a chunk that was never written
 
-
-
 # A single preadv takes at most IOV_MAX buffers (1,024 on Linux); a read of more chunks is split.
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
 
@@ -41,6 +39,7 @@ def _preadv_all(fd: int, iov: list, offset: int) -> int:
         if n != sum(b.nbytes for b in batch):
             break
     return got
+
 
 class ChecksumError(CacheFormatError):
     pass

@@ -188,7 +188,6 @@ class ZarrStore(CacheStore):
         from zarr.core.buffer import default_buffer_prototype
         from zarr.core.sync import sync
 
-
         rows = data.shape[0]
         chunks = (min(chunk_rows, max(rows, 1)),) + data.shape[1:]
         shards = (math.ceil(max(rows, 1) / chunks[0]) * chunks[0],) + data.shape[1:]
