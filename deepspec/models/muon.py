@@ -16,14 +16,10 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan
 
 
 def orthogonalize(update: torch.Tensor, steps: int, dtype: torch.dtype, eps: float = 1e-7) -> torch.Tensor:
-    """Newton–Schulz on one matrix [r, c] or a stack of same-shape matrices [n, r, c] (one bmm per
-    iteration for the stack: the tiny target has 36 layers of each shape, and per-matrix calls were
-    a quarter of its step time)."""
+    """Newton–Schulz on a stack of same-shape matrices [n, r, c], one bmm per iteration (the tiny
+    target has 36 layers of each shape, and per-matrix calls were a quarter of its step time)."""
     a, b, c = NS_COEFFICIENTS
     x = update.to(dtype)
-    single = x.ndim == 2
-    if single:
-        x = x.unsqueeze(0)
     tall = x.size(1) > x.size(2)
     if tall:
         x = x.transpose(1, 2)
@@ -31,9 +27,7 @@ def orthogonalize(update: torch.Tensor, steps: int, dtype: torch.dtype, eps: flo
     for _ in range(steps):
         gram = x @ x.transpose(1, 2)
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    if tall:
-        x = x.transpose(1, 2)
-    return x[0] if single else x
+    return x.transpose(1, 2) if tall else x
 
 
 class Muon(torch.optim.Optimizer):
