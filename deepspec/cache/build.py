@@ -1,14 +1,19 @@
 """The `cache` stage: regen rows -> target forward passes -> store parts (Zarr or HDF5).
 
-Part boundaries are a pure function of the rows still to do (greedy packing in input order up to
-`cache.part_tokens`), so after a crash the rerun produces exactly the parts an uninterrupted run
-would have. Forward passes run in length-sorted batches within a part; the writer thread encodes
-and writes one part while the model computes the next.
+The stage streams: one pass tokenises every row to learn its length and byte offset (kept as
+numpy arrays, the tokens dropped), the part plan is made from those lengths alone, and a part's
+rows are re-read and tokenised only when that part is computed, so a rank holds a few parts of
+samples, never the corpus. The plan is a pure function of the input and the store's committed parts
+(`plan_parts`), so a rerun after a crash, single- or multi-rank, writes exactly the parts an
+uninterrupted run would have. Forward passes run in length-sorted batches within a part; the writer
+thread encodes and writes one part while the model computes the next.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,13 +21,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from deepspec.cache.format import bytes_per_token, encode_hidden, sample_id_to_int
+from deepspec.cache.format import CacheFormatError, bytes_per_token, encode_hidden, sample_id_to_int
 from deepspec.cache.lease import new_run_id
 from deepspec.cache.store import check_lake, is_remote, store_url
 from deepspec.cache.writer import CacheWriter, PartData
 from deepspec.config import CacheConfig
 from deepspec.data.template import TemplateError, encode_conversation
-from deepspec.io import read_jsonl
+from deepspec.io import JsonlError
 from deepspec.models.capture import forward_capture
 from deepspec.models.target import check_layers, load_identity
 
@@ -36,35 +41,163 @@ class Sample:
     loss_mask: list[int]
 
 
+def encode_row(tokenizer, row: dict, max_length: int) -> Sample | dict:
+    """The row's sample, or {id, reason, detail} when it is dropped (kept in the stage report)."""
+    try:
+        enc = encode_conversation(tokenizer, row["conversations"], max_length)
+    except TemplateError as e:
+        return {"id": row["id"], "reason": "template", "detail": str(e)}
+    if sum(enc.loss_mask) == 0:
+        # nothing to learn from: no anchor can be drawn (e.g. the answer was cut by max_length)
+        return {"id": row["id"], "reason": "no_loss_tokens",
+                "detail": "truncated" if enc.truncated else "no assistant tokens"}
+    return Sample(sample_id_to_int(row["id"]), enc.input_ids, enc.loss_mask)
+
+
 def encode_rows(tokenizer, rows, max_length: int) -> tuple[list[Sample], list[dict]]:
-    """Samples for every usable row; the rest as {id, reason} (kept in the stage report)."""
+    """Samples for every usable row; the rest as {id, reason}."""
     samples, dropped = [], []
     for row in rows:
-        try:
-            enc = encode_conversation(tokenizer, row["conversations"], max_length)
-        except TemplateError as e:
-            dropped.append({"id": row["id"], "reason": "template", "detail": str(e)})
-            continue
-        if sum(enc.loss_mask) == 0:
-            # nothing to learn from: no anchor can be drawn (e.g. the answer was cut by max_length)
-            dropped.append({"id": row["id"], "reason": "no_loss_tokens",
-                            "detail": "truncated" if enc.truncated else "no assistant tokens"})
-            continue
-        samples.append(Sample(sample_id_to_int(row["id"]), enc.input_ids, enc.loss_mask))
+        out = encode_row(tokenizer, row, max_length)
+        (samples if isinstance(out, Sample) else dropped).append(out)
     return samples, dropped
 
 
-def plan_parts(samples: list[Sample], part_tokens: int, first_index: int) -> list[tuple[str, list[Sample]]]:
-    parts, current, tokens = [], [], 0
-    for s in samples:
-        if current and tokens + len(s.input_ids) > part_tokens:
-            parts.append(current)
-            current, tokens = [], 0
-        current.append(s)
-        tokens += len(s.input_ids)
-    if current:
-        parts.append(current)
-    return [(f"p{first_index + i:06d}", p) for i, p in enumerate(parts)]
+@dataclass
+class RowIndex:
+    """The usable rows of a regen file without their tokens: what the part plan needs, and where
+    to find a row again when its part is computed. Four numbers a row, whatever the corpus size."""
+    path: str
+    rows: int  # non-blank lines
+    sample_ids: np.ndarray  # uint64, input order
+    lengths: np.ndarray  # int64 tokens
+    offsets: np.ndarray  # int64 byte offset of the row's line
+    lines: np.ndarray  # int64 line number (for error messages)
+    dropped: list[dict]
+
+
+def _parse_line(path, lineno: int, line: bytes) -> dict:
+    try:
+        return json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise JsonlError(f"{path}:{lineno}: not valid JSON: {e}") from None
+
+
+def _encode_line(tokenizer, path, lineno: int, line: bytes, max_length: int) -> Sample | dict:
+    try:
+        return encode_row(tokenizer, _parse_line(path, lineno, line), max_length)
+    except CacheFormatError as e:
+        raise CacheFormatError(f"{path}:{lineno}: {e}") from None
+
+
+def index_rows(tokenizer, path, max_length: int) -> RowIndex:
+    """One pass over the regen file: tokenise each row, keep its id, length and byte offset, drop
+    the tokens."""
+    ids, lengths, offsets, lines = array("Q"), array("q"), array("q"), array("q")
+    rows, dropped, offset = 0, [], 0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            start, offset = offset, offset + len(line)
+            if not line.strip():
+                continue
+            rows += 1
+            out = _encode_line(tokenizer, path, lineno, line, max_length)
+            if isinstance(out, dict):
+                dropped.append(out)
+                continue
+            ids.append(out.sample_id)
+            lengths.append(len(out.input_ids))
+            offsets.append(start)
+            lines.append(lineno)
+    return RowIndex(str(path), rows, np.frombuffer(ids, np.uint64).copy(), np.frombuffer(lengths, np.int64).copy(),
+                    np.frombuffer(offsets, np.int64).copy(), np.frombuffer(lines, np.int64).copy(), dropped)
+
+
+def load_samples(tokenizer, index: RowIndex, rows: np.ndarray, max_length: int) -> list[Sample]:
+    """Re-read and tokenise the rows `rows` (positions in `index`) of the regen file."""
+    samples = []
+    with open(index.path, "rb") as f:
+        for i in rows.tolist():
+            f.seek(int(index.offsets[i]))
+            lineno = int(index.lines[i])
+            out = _encode_line(tokenizer, index.path, lineno, f.readline(), max_length)
+            if not isinstance(out, Sample) or out.sample_id != int(index.sample_ids[i]) \
+                    or len(out.input_ids) != int(index.lengths[i]):
+                raise CacheFormatError(f"{index.path}:{lineno}: the row changed while the cache stage was running "
+                                       "(it no longer encodes to the sample planned); rerun the stage")
+            samples.append(out)
+    return samples
+
+
+def part_samples(tokenizer, index: RowIndex, plan: list[tuple[str, np.ndarray]], max_length: int):
+    """(name, samples) of each planned part, tokenised only when its turn comes: a rank holds the
+    samples of the part being computed, never the corpus's."""
+    for name, rows in plan:
+        yield name, load_samples(tokenizer, index, rows, max_length)
+
+
+def pack_ranges(lengths: np.ndarray, part_tokens: int) -> list[tuple[int, int]]:
+    """Ranges [a, b) packed greedily in order up to part_tokens tokens (a longer sample gets a part
+    of its own)."""
+    parts, start, tokens = [], 0, 0
+    for k, n in enumerate(lengths.tolist()):
+        if k > start and tokens + n > part_tokens:
+            parts.append((start, k))
+            start, tokens = k, 0
+        tokens += n
+    if len(lengths) > start:
+        parts.append((start, len(lengths)))
+    return parts
+
+
+def committed_owner(sample_ids: np.ndarray, committed: dict[str, np.ndarray]) -> np.ndarray:
+    """For each sample, the number of the committed part holding it (p000012 -> 12), or -1."""
+    owner = np.full(len(sample_ids), -1, dtype=np.int64)
+    if not committed or not len(sample_ids):
+        return owner
+    ids = np.concatenate([np.asarray(v, np.uint64) for v in committed.values()])
+    nums = np.concatenate([np.full(len(v), int(n[1:]), np.int64) for n, v in committed.items()])
+    if not len(ids):
+        return owner
+    order = np.argsort(ids, kind="stable")
+    ids, nums = ids[order], nums[order]
+    pos = np.minimum(np.searchsorted(ids, sample_ids), len(ids) - 1)
+    hit = ids[pos] == sample_ids
+    owner[hit] = nums[pos[hit]]
+    return owner
+
+
+def plan_parts(lengths: np.ndarray, owner: np.ndarray, existing, part_tokens: int) -> list[tuple[str, np.ndarray]]:
+    """The parts still to write, as (name, sample positions): a pure function of the input and of
+    the store's committed parts (docs/cache-format.md §7, "Part boundaries").
+
+    Samples are walked in input order. A maximal run of samples not in the store is packed greedily
+    (`pack_ranges`); a committed sample ends the run, so a part never straddles one. A new part is
+    numbered one after the part before it in this walk (the first after nothing is p000000). A run
+    interrupted after some of its parts therefore repacks into the parts and names it would have
+    had. Only when that numbering would reuse a name (the input is not the store's input grown at
+    its end: rows inserted, reordered or removed) are the new parts numbered after the highest part
+    instead."""
+    taken = {int(n[1:]) for n in existing}
+    plan: list[tuple[int, np.ndarray]] = []
+    prev, start = -1, None
+    own = owner.tolist()
+    for i, o in enumerate([*own, -2]):  # -2: the end, closes the last run
+        if o == -1:
+            if start is None:
+                start = i
+            continue
+        if start is not None:
+            for a, b in pack_ranges(lengths[start:i], part_tokens):
+                prev += 1
+                plan.append((prev, np.arange(start + a, start + b, dtype=np.int64)))
+            start = None
+        prev = o
+    numbers = [n for n, _ in plan]
+    if taken.intersection(numbers) or len(set(numbers)) != len(numbers):
+        first = 1 + max(taken, default=-1)
+        numbers = range(first, first + len(plan))
+    return [(f"p{n:06d}", rows) for n, (_, rows) in zip(numbers, plan)]
 
 
 def length_batches(samples: list[Sample], batch_tokens: int) -> list[list[int]]:
@@ -201,7 +334,7 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
         if writer is None:
             writer = CacheWriter(url, manifest, cfg.storage_options, rank=rank, run_id=run_id)
         report = _build(writer, cfg, layers, regen_path, ident, tokenizer, get_model, pad_id, device,
-                        rank, world, barrier, derivation.source)
+                        rank, world, barrier, share, derivation.source)
         writer.release()
         derivation.finish()  # a local in-place derive: the new store takes the old one's place
     except BaseException:
@@ -224,34 +357,37 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
 
 
 def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path: Path, ident: dict, tokenizer,
-           get_model, pad_id: int, device: torch.device, rank: int, world: int, barrier, source=None) -> dict:
+           get_model, pad_id: int, device: torch.device, rank: int, world: int, barrier, share,
+           source=None) -> dict:
     """Write every missing part: taken from `source` (deepspec.cache.derive) when it holds a part of
     the same composition, else computed with the target."""
-    rows = list(read_jsonl(regen_path))
-    samples, dropped = encode_rows(tokenizer, rows, cfg.max_length)
-    done = writer.committed_sample_ids()
-    pending = [s for s in samples if s.sample_id not in done]
-    existing = writer.committed_parts()
-    first = 1 + max((int(n[1:]) for n in existing), default=-1)
-    plan = plan_parts(pending, part_tokens_for(cfg, ident["hidden_size"]), first)
+    if rank == 0:  # rank 0 reads the input and the store once; every rank gets the same plan
+        index = index_rows(tokenizer, regen_path, cfg.max_length)
+        owner = committed_owner(index.sample_ids, writer.committed_part_sample_ids())
+        plan = plan_parts(index.lengths, owner, writer.committed_parts(), part_tokens_for(cfg, ident["hidden_size"]))
+        cached = int((owner >= 0).sum())
+    else:
+        index = plan = cached = None
+    if world > 1:
+        # also the barrier: every rank plans from the same store snapshot, before any rank commits a part
+        index, plan, cached = share((index, plan, cached))
     mine = plan[rank * len(plan) // world:(rank + 1) * len(plan) // world]  # a contiguous sample range
-    if barrier:
-        barrier()  # every rank plans from the same store snapshot, before any rank commits a part
     log.info("cache: %d rows, %d usable, %d already cached, %d parts to write (%d on this rank)",
-             len(rows), len(samples), len(done), len(plan), len(mine))
+             index.rows, len(index.lengths), cached, len(plan), len(mine))
 
     forward_s, computed = 0.0, 0
-    bar = tqdm(total=sum(len(s.input_ids) for _, p in mine for s in p), unit="tok", desc=f"cache[{rank}]",
+    bar = tqdm(total=int(sum(index.lengths[rows].sum() for _, rows in mine)), unit="tok", desc=f"cache[{rank}]",
                dynamic_ncols=True, disable=rank != 0 and world > 1)
     try:
-        for name, part_samples in mine:
-            part = source.part(name, part_samples) if source is not None else None
+        for name, samples in part_samples(tokenizer, index, mine, cfg.max_length):
+            part = source.part(name, samples) if source is not None else None
             if part is None:
                 model = get_model()
                 tf = time.time()
-                part = compute_part(model, name, part_samples, layers, cfg.batch_tokens, pad_id, device, cfg.dtype)
+                part = compute_part(model, name, samples, layers, cfg.batch_tokens, pad_id, device, cfg.dtype)
                 forward_s += time.time() - tf
                 computed += 1
+            del samples  # the next part's samples are tokenised before this name is rebound
             writer.submit(part)
             bar.update(part.tokens)
         writer.close()
@@ -262,8 +398,8 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
         bar.close()
     if barrier:
         barrier()
-    report = {"rows": len(rows), "samples": len(samples), "dropped": dropped, "forward_s": round(forward_s, 2),
-              "parts_computed": computed}
+    report = {"rows": index.rows, "samples": len(index.lengths), "dropped": index.dropped,
+              "forward_s": round(forward_s, 2), "parts_computed": computed}
     if rank == 0:
         report["manifest"] = writer.write_manifest(rescan=world > 1)  # other ranks' parts too
     return report

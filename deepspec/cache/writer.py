@@ -165,10 +165,13 @@ class CacheWriter:
         return self.store.committed_parts()
 
     def committed_sample_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for name, a in self._entries().items():
-            ids.update(int(v) for v in self.store.read_slow(a, "sample_id", 0, a.samples))
-        return ids
+        return {int(v) for ids in self.committed_part_sample_ids().values() for v in ids}
+
+    def committed_part_sample_ids(self) -> dict[str, np.ndarray]:
+        """Each committed part's sample ids (uint64, in the part's order): what the cache stage's
+        part plan needs to know of a store."""
+        return {name: np.asarray(self.store.read_slow(a, "sample_id", 0, a.samples), dtype=np.uint64)
+                for name, a in self._entries().items()}
 
     def _entries(self) -> dict[str, PartEntry]:
         return {n: PartEntry(n, int(a["samples"]), int(a["tokens"]),

@@ -1,0 +1,158 @@
+"""The streaming cache build: the part plan (a pure function of input and store), multi-rank resume,
+and a bound on the samples a rank holds at once."""
+import json
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import numpy as np
+import deepspec.cache.build as build_mod
+from deepspec.cache.build import build_cache, plan_parts
+from deepspec.cache.reader import CacheReader
+from deepspec.config import CacheConfig
+from tests.cache.test_cache import LAYERS, array_hashes, build, workdir
+from tests.conftest import SAMPLE_CONVERSATIONS
+
+RANK = threading.local()  # the rank a thread of build_ranks runs
+
+
+def many_rows(copies: int) -> list[dict]:
+    return [{"id": f"{i + 1:016x}", "conversations": c} for i, c in enumerate(SAMPLE_CONVERSATIONS * copies)]
+
+
+_LOAD_LOCK = threading.Lock()
+_load_model = build_mod.load_model
+
+
+def _load_model_alone(*a, **k):
+    with _LOAD_LOCK:
+        return _load_model(*a, **k)
+
+
+def build_ranks(work: Path, world: int, **cfg) -> list:
+    """`world` ranks of one job as threads: a barrier and rank 0's value handed over like torchrun's
+    broadcast. Returns each rank's report, or the exception it raised."""
+    # transformers' lazy imports and from_pretrained (a global init context) are not thread-safe:
+    # resolve the imports before the ranks start, and let them load the target one at a time
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    build_mod.load_model = _load_model_alone
+    barrier = threading.Barrier(world, timeout=120)
+    box, results = {}, [None] * world
+
+    def share(value, rank):
+        if rank == 0:
+            box["value"] = value
+        barrier.wait()
+        value = box["value"]
+        barrier.wait()  # nobody overwrites the box before every rank has read it
+        return value
+
+    def rank_main(rank):
+        RANK.value = rank
+        try:
+            results[rank] = build_cache(CacheConfig(url=str(work / "data" / "cache.zarr"), **cfg), LAYERS,
+                                        work / "data/regen/train.jsonl", work / "data/target", rank, world,
+                                        barrier.wait, share=lambda v: share(v, rank))
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            results[rank] = e
+            barrier.abort()  # a rank that died frees the others from waiting for it
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join()
+    finally:
+        build_mod.load_model = _load_model
+    return results
+
+
+def committed(url: str) -> dict[str, int]:
+    """part name -> rank, of the parts marked committed"""
+    out = {}
+    for meta in sorted(Path(url, "parts").glob("*/zarr.json")):
+        attrs = json.loads(meta.read_text())["attributes"]
+        if attrs.get("committed"):
+            out[meta.parent.name] = attrs["rank"]
+    return out
+
+
+def test_plan_fences_at_committed_samples_and_numbers_in_input_order():
+    lengths = np.array([10] * 9)
+    # samples 3..4 are in the store's p000001 (rows were inserted before it): the runs before and
+    # after it are packed on their own, no part straddles it
+    owner = np.array([-1, -1, -1, 1, 1, -1, -1, -1, -1])
+    plan = plan_parts(lengths, owner, ["p000000", "p000001"], 20)
+    # (numbered after the part before them, the first run would reuse p000000/p000001: the new
+    # parts are numbered after the highest part instead)
+    assert [(n, r.tolist()) for n, r in plan] == [("p000002", [0, 1]), ("p000003", [2]), ("p000004", [5, 6]),
+                                                   ("p000005", [7, 8])]
+    # an interrupted plan of the store p000000 (samples 0..1) resumes under the same names
+    owner = np.array([0, 0, -1, -1, -1, -1, -1, -1, -1])
+    full = plan_parts(lengths, owner, ["p000000"], 20)
+    assert [n for n, _ in full] == ["p000001", "p000002", "p000003", "p000004"]
+    done = owner.copy()
+    done[6:8] = 3  # p000003 (samples 6..7) committed, p000001/2/4 not
+    resumed = plan_parts(lengths, done, ["p000000", "p000003"], 20)
+    assert [(n, r.tolist()) for n, r in resumed] == [(n, r.tolist()) for n, r in full if n != "p000003"]
+
+
+def test_multi_rank_resume_equals_an_uninterrupted_multi_rank_build(tmp_path, trained_target, monkeypatch):
+    rows = many_rows(1)
+    clean = workdir(tmp_path / "clean", trained_target, rows)
+    assert all(not isinstance(r, BaseException) for r in build_ranks(clean, 2, part_tokens=150))
+    clean_url = str(clean / "data/cache.zarr")
+    assert set(committed(clean_url).values()) == {0, 1} and len(committed(clean_url)) >= 8
+
+    # the same job killed after rank 0 committed two parts and rank 1 one: each rank's next forward
+    # pass waits for its commits, then fails
+    crash = workdir(tmp_path / "crash", trained_target, rows)
+    crash_url = str(crash / "data/cache.zarr")
+    compute_part, calls, keep = build_mod.compute_part, {}, {0: 2, 1: 1}
+
+    def crashing(*a, **k):
+        rank = RANK.value
+        n = calls[rank] = calls.get(rank, 0) + 1
+        if n > keep[rank]:
+            deadline = time.time() + 60
+            while sum(1 for v in committed(crash_url).values() if v == rank) < keep[rank]:
+                assert time.time() < deadline
+                time.sleep(0.01)
+            raise RuntimeError("injected crash")
+        return compute_part(*a, **k)
+
+    monkeypatch.setattr(build_mod, "compute_part", crashing)
+    results = build_ranks(crash, 2, part_tokens=150)
+    assert all(isinstance(r, RuntimeError) for r in results), results
+    assert sorted(committed(crash_url).values()) == [0, 0, 1]
+    monkeypatch.setattr(build_mod, "compute_part", compute_part)
+
+    assert all(not isinstance(r, BaseException) for r in build_ranks(crash, 2, part_tokens=150))
+    assert array_hashes(crash_url) == array_hashes(clean_url)
+    assert CacheReader(crash_url).manifest["parts"] == CacheReader(clean_url).manifest["parts"]
+
+
+def test_build_holds_a_bounded_number_of_samples(tmp_path, trained_target, monkeypatch):
+    """Every Sample (a row's token lists) is counted while alive: the build never holds more than
+    about one part's worth, however many rows the input has."""
+    live, peak = weakref.WeakSet(), [0]
+
+    class CountedSample(build_mod.Sample):
+        __hash__ = object.__hash__  # by identity, for the WeakSet
+
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            live.add(self)
+            peak[0] = max(peak[0], len(live))
+
+    monkeypatch.setattr(build_mod, "Sample", CountedSample)
+    rows = many_rows(2)
+    work = workdir(tmp_path, trained_target, rows)
+    report = build(work, part_tokens=300)
+    parts = CacheReader(str(work / "data/cache.zarr")).manifest["parts"]
+    assert report["samples"] == len(rows) and len(parts) >= 8
+    largest = max(p["samples"] for p in parts)
+    assert peak[0] <= 2 * largest, (peak[0], largest, len(rows))
