@@ -1,0 +1,205 @@
+"""How the lake's costs grow with size (issue 15), one table per section, sizes spanning >= 10x.
+
+    python benchmarks/scale.py [--only cache_rss,...] [--rows 1000,3000,10000] [--code DIR]
+
+Each section is one function registered with `@section`; `--only` runs a subset. Sections:
+  cache_rss  peak RSS of the cache stage above its post-import baseline vs number of regen rows,
+             each size in a fresh subprocess (the kernel's VmHWM minus the RSS after the imports and
+             a warm-up build of 8 rows). Synthetic rows through a synthetic target of real width
+             (Qwen3, hidden 2,560, one decoder layer, random weights, the builtin tokenizer); the
+             forward pass is not the point. The rows are realistic in size (--row-chars of answer
+             text, about a regen answer) but `max_length` cuts each to a few tokens, so the forward
+             passes and the bytes written stay small while what a build holds per row does not.
+             With `--code DIR` the stage runs from another checkout (e.g. the previous commit's,
+             `git worktree add` or `git archive | tar -x`) for a side-by-side table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SECTIONS: dict = {}
+
+WORDS = ("the a of to in is it that for on with as was at by an be this from or have not are but "
+         "what which one all were when we there can more if out so said up its about into than them "
+         "number plus sum answer result value first second third step because therefore").split()
+
+
+def section(fn):
+    SECTIONS[fn.__name__] = fn
+    return fn
+
+
+def table(title: str, header: list[str], rows: list[list]) -> None:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    print(f"\n## {title}")
+    for k, r in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+        if k == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+# ---- cache_rss -------------------------------------------------------------------------------------
+def synthetic_rows(n: int, chars: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        answer, size = [], 0
+        while size < chars:
+            w = rng.choice(WORDS)
+            answer.append(w)
+            size += len(w) + 1
+        rows.append({"id": f"{i + 1:016x}", "conversations": [
+            {"role": "user", "content": f"{rng.choice(WORDS)}?"},
+            {"role": "assistant", "content": " ".join(answer)}]})
+    return rows
+
+
+def synthetic_target(out: Path, hidden: int = 2560) -> Path:
+    """A random Qwen3 of real width, one decoder layer, small heads/MLP/vocab: loading and a forward
+    pass cost little, the hidden states a part holds are as wide as the reference target's."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from deepspec.io import write_json
+    from deepspec.models.target import default_generation_config, identity
+    from deepspec.models.tiny import build_tokenizer, conversation_text
+
+    tok = build_tokenizer([conversation_text(r["conversations"]) for r in synthetic_rows(200, 400)], 512)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=1, num_key_value_heads=1, head_dim=64, max_position_embeddings=4096,
+                      tie_word_embeddings=True, torch_dtype="float32",
+                      bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+                      eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                      pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg)
+    model.generation_config = default_generation_config(cfg.eos_token_id, cfg.pad_token_id)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    write_json(out / "identity.json", identity(out))
+    return out
+
+
+def status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def cache_child(spec: dict) -> None:
+    """One cache stage in this (fresh) process; prints its memory as JSON. The baseline is taken
+    after the imports and a warm-up build of a few rows into another store, so the stage's lazy
+    imports (safetensors, accelerate, boto3, zarr codecs) and one-time allocations are in it; the
+    kernel's peak (VmHWM) is then reset and read again after the measured build."""
+    import gc
+
+    import torch
+
+    from deepspec.cache.build import build_cache
+    from deepspec.config import CacheConfig
+
+    torch.set_num_threads(spec["threads"])
+
+    def build(url: str, regen: str) -> dict:
+        cfg = CacheConfig(url=url, part_tokens=spec["part_tokens"], batch_tokens=spec["batch_tokens"],
+                          max_length=spec["max_length"], dtype=spec["dtype"])
+        return build_cache(cfg, spec["layers"], Path(regen), Path(spec["target"]))
+
+    build(spec["url"] + ".warm", spec["warm"])
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    base = status_kb("VmRSS")
+    t0 = time.time()
+    report = build(spec["url"], spec["regen"])
+    peak = status_kb("VmHWM")
+    print(json.dumps({"baseline_kb": base, "peak_kb": peak, "wall_s": round(time.time() - t0, 1),
+                      "samples": report["manifest"]["num_samples"], "parts": len(report["manifest"]["parts"]),
+                      "dropped": len(report["dropped"])}))
+
+
+def run_cache(code: Path, root: Path, target: Path, rows: int, args) -> dict:
+    regen, warm = root / f"regen-{rows}.jsonl", root / "warm.jsonl"
+    for path, n, seed in ((regen, rows, 1), (warm, 8, 2)):
+        with open(path, "w") as f:
+            for r in synthetic_rows(n, args.row_chars, seed=seed):
+                f.write(json.dumps(r) + "\n")
+    spec = {"url": str(root / f"cache-{rows}-{code.name}.zarr"), "regen": str(regen), "warm": str(warm),
+            "target": str(target),
+            "layers": [-1], "part_tokens": args.part_tokens, "batch_tokens": args.part_tokens,
+            "max_length": args.max_length, "dtype": "fp8", "threads": args.threads}
+    env = dict(os.environ, PYTHONPATH=str(code), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
+                          env=env, capture_output=True, text=True, cwd=root)
+    if proc.returncode != 0:
+        raise RuntimeError(f"cache stage at {rows} rows failed:\n{proc.stderr[-3000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    import shutil
+
+    shutil.rmtree(spec["url"])
+    shutil.rmtree(spec["url"] + ".warm")
+    regen.unlink()
+    return out
+
+
+@section
+def cache_rss(args) -> None:
+    sizes = [int(s) for s in args.rows.split(",")]
+    codes = [("this", REPO)] + ([("--code", Path(args.code).resolve())] if args.code else [])
+    with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
+        root = Path(tmp)
+        target = synthetic_target(root / "target")
+        results = {}
+        for label, code in codes:
+            for n in sizes:
+                r = run_cache(code, root, target, n, args)
+                results[(label, n)] = r
+                print(f"  {label} {n} rows: {json.dumps(r)}", file=sys.stderr)
+    rows = []
+    for label, _ in codes:
+        first = None
+        for n in sizes:
+            r = results[(label, n)]
+            above = (r["peak_kb"] - r["baseline_kb"]) / 1024
+            first = first if first is not None else above
+            rows.append([label, n, r["samples"], r["parts"], round(r["baseline_kb"] / 1024), round(above, 1),
+                         f"{above / first:.2f}x", r["wall_s"]])
+    table(f"cache stage: peak RSS above post-import baseline vs regen rows (H=2560, part_tokens="
+          f"{args.part_tokens}, max_length={args.max_length}, {args.row_chars}-char answers, fp8, layers [-1])",
+          ["code", "rows", "samples", "parts", "baseline_MB", "above_MB", "vs_smallest", "wall_s"], rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {sorted(SECTIONS)}")
+    ap.add_argument("--rows", default="1000,3000,10000", help="cache_rss: regen row counts")
+    ap.add_argument("--row-chars", type=int, default=1000, help="cache_rss: characters of each answer")
+    ap.add_argument("--max-length", type=int, default=24, help="cache_rss: tokens kept of each row")
+    ap.add_argument("--part-tokens", type=int, default=1024, help="cache_rss: cache.part_tokens")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--code", help="cache_rss: also run the stage from this checkout, side by side")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        cache_child(json.loads(args.child))
+        return
+    unknown = set(args.only.split(",")) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown sections {sorted(unknown)}; known: {sorted(SECTIONS)}")
+    for name in args.only.split(","):
+        SECTIONS[name](args)
+
+
+if __name__ == "__main__":
+    main()
