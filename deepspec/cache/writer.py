@@ -94,6 +94,7 @@ class CacheWriter:
         else:
             self.lease = join(url, storage_options, run_id)
         self.rank = rank
+        self._marked = True  # rank 0 sets this in _mark_writing; other ranks never write the root
         self._committed: dict[str, PartEntry] | None = None
         # (lengths, sample ids) of every committed part this writer knows: its own, the last
         # consolidated index's, and those read from other parts' commit records
@@ -173,14 +174,27 @@ class CacheWriter:
             self._rows[p.name] = (np.diff(o), i)
 
     def _mark_writing(self) -> None:
-        """Before this run commits anything: the root says "not consolidated" (content fields only,
-        O(1) bytes), so a store this run leaves behind, killed or not, opens by listing its parts."""
+        """At open: a consolidated root that no longer describes the committed parts (debris or
+        damage was deleted above) is marked "not consolidated"; so is a new store's. Otherwise the
+        root stays as it is until this writer commits its first part (_before_first_commit), so a
+        run that writes nothing rewrites nothing."""
         names = set(self.store.committed_parts())
         self._rows = {n: r for n, r in self._rows.items() if n in names}  # parts deleted above are gone
+        old = self.store.root_attrs()
+        listed = {p["name"] for p in old.get("parts", [])} if old.get("consolidated") else None
+        self._marked = False
+        if listed is None or listed != names or old.get("format") != self.manifest.format:
+            self._mark()
+
+    def _mark(self) -> None:
+        """The root says "not consolidated" (content fields only, O(1) bytes): a store this run
+        leaves behind, killed or not, opens by listing its committed parts."""
         m = Manifest.from_dict(self.manifest.to_dict())
         m.parts, m.consolidated, m.index = [], False, None
         if m.stored_dict() != self.store.root_attrs():
+            self.lease.check()
             self.store.write_manifest(m)
+        self._marked = True
 
     def _drop_damaged(self) -> None:
         """A committed part whose files did not survive (a power loss before the writer fsynced
@@ -299,6 +313,8 @@ class CacheWriter:
                  "lengths": [int(v) for v in lengths], "sample_ids": [f"{int(v):016x}" for v in ids]}
         # arrays a derive links from its source (part.copy) are not written again
         specs = [spec for spec in self.part_specs(part) if spec.name not in part.copied]
+        if self.rank == 0 and not self._marked:
+            self._mark()  # once per run, before the first commit: the root is not touched per part
         before = None if part.copy is None else (lambda group: part.copy(self, group))
         entry = self.store.write_part(part.name, specs, attrs, self.rank, self.lease, before=before)
         log.debug("committed part %s: %d samples, %d tokens", part.name, len(part.lengths), part.tokens)
@@ -334,9 +350,7 @@ class CacheWriter:
         else:
             self.lease.check()
             if stored.get("consolidated", False):  # never an index that disagrees with a consolidated root
-                writing = Manifest.from_dict(m.to_dict())
-                writing.consolidated, writing.parts, writing.index = False, [], None
-                self.store.write_manifest(writing)
+                self._mark()
             m.index = self.store.write_index(rows)
         attrs = m.to_dict()
         if json.loads(json.dumps(m.stored_dict())) != stored:

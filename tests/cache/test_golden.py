@@ -1,5 +1,6 @@
-"""Golden v1 stores of every backend, written once by tests/cache/make_golden.py and checked in:
-a reader change that misreads a store written by an earlier writer fails here."""
+"""Golden stores of every backend, written once by tests/cache/make_golden.py and checked in (v1 by
+the v1 writer, v2 by the v2 writer): a reader change that misreads a store written by an earlier
+writer fails here."""
 import shutil
 
 import numpy as np
@@ -10,10 +11,10 @@ from deepspec.cache.format import decode_hidden
 from deepspec.cache.reader import CacheReader
 from deepspec.cache.verify import info, verify
 from deepspec.loader.dataset import TargetCacheDataset
-from tests.cache.make_golden import GOLDEN, LAYERS, PARTS, SAMPLE_IDS, STORES, golden_values
+from tests.cache.make_golden import GOLDEN, LAYERS, PARTS, SAMPLE_IDS, STORES, STORES_V2, VERSION, golden_values
 
 
-@pytest.mark.parametrize("name,storage,dtype,codec", STORES)
+@pytest.mark.parametrize("name,storage,dtype,codec", STORES + STORES_V2)
 @pytest.mark.parametrize("fast", [True, False])
 def test_golden_store_reads_back_the_values_it_was_written_with(name, storage, dtype, codec, fast):
     url = str(GOLDEN / name)
@@ -21,6 +22,8 @@ def test_golden_store_reads_back_the_values_it_was_written_with(name, storage, d
     m = reader.manifest
     assert (m.storage, m.dtype, m.codec, m.layers, m.hidden_size) == (storage, dtype, codec, LAYERS, 8)
     assert [p.name for p in m.parts] == [p[0] for p in PARTS] and m.num_samples == 3
+    assert m.format_version == VERSION[name] and m.consolidated
+    assert (m.index is not None) == (VERSION[name] == 2)  # v1: offsets/sample ids read part by part
     ds = TargetCacheDataset(url, fast=fast)
     k = 0
     for part, seed, lengths in PARTS:
@@ -46,7 +49,7 @@ def test_golden_store_reads_back_the_values_it_was_written_with(name, storage, d
     assert k == len(ds)
 
 
-@pytest.mark.parametrize("name,storage,dtype,codec", STORES)
+@pytest.mark.parametrize("name,storage,dtype,codec", STORES + STORES_V2)
 def test_golden_store_verifies_and_reports(name, storage, dtype, codec, tmp_path):
     url = str(tmp_path / name)
     shutil.copytree(GOLDEN / name, url)  # verify reads only, but keep the checked-in files untouched
