@@ -11,7 +11,12 @@ subprocess whose PYTHONPATH is the code under test. Prints
   (a) bytes written to the root manifest, the index and the parts' commit records (parts/*/zarr.json)
       while writing N parts, and those bytes per committed part (goal: constant from 100 to 2,000);
   (b) the time and, on S3, the requests (counted at the moto server, 127.0.0.1) to open the store
-      with CacheReader and look up its last sample (goal: O(1) requests).
+      with CacheReader and look up its last sample (goal: O(1) requests);
+  (c) files per part of this layout (counted on a part written with the reference's layers,
+      [1, 9, 17, 25, 33] + last, bf16), and what that gives for the reference cache (1.25 B tokens,
+      H = 2,560, 30,726 B/token) at several part sizes: files, files per TB, bytes of one hidden
+      object, and bytes of one part (what the writer holds per part in memory).
+  `--only-files` prints (c) alone (seconds).
 """
 from __future__ import annotations
 
@@ -125,6 +130,52 @@ class Moto:
         return f"s3://{bucket}/store"
 
 
+# ---- files per TB (item 3's measurement) --------------------------------------------------------
+
+REF_TOKENS, REF_H, REF_LAYERS = 1_250_000_000, 2560, [1, 9, 17, 25, 33]
+
+
+def files_per_part(storage: str) -> tuple[int, int]:
+    """(files of one part, files at the store root) of a store holding one reference-layer part."""
+    import numpy as np
+
+    from deepspec.cache.format import bytes_per_token
+    from deepspec.cache.writer import CacheWriter, PartData
+
+    h = 8
+    m = dict(_manifest(), layers=REF_LAYERS, hidden_size=h, storage=storage,
+             bytes_per_token=bytes_per_token(h, len(REF_LAYERS), "bfloat16"))
+    with tempfile.TemporaryDirectory() as d:
+        url = os.path.join(d, "store")
+        rng = np.random.default_rng(0)
+        hidden = {k: (rng.integers(0, 2**16, size=(8, h), dtype=np.uint16), None) for k in [*REF_LAYERS, "last"]}
+        with CacheWriter(url, m) as w:
+            w.submit(PartData("p000000", np.array([1, 2], dtype=np.uint64), np.array([4, 4], dtype=np.int64),
+                              rng.integers(0, 1000, 8).astype(np.int32), np.ones(8, np.uint8), hidden))
+        every = [p for p in Path(url).rglob("*") if p.is_file()]
+        part = [p for p in every if "p000000" in str(p.relative_to(url))]
+        return len(part), len(every) - len(part)
+
+
+def files_table() -> None:
+    from deepspec.cache.format import bytes_per_token
+
+    bpt = bytes_per_token(REF_H, len(REF_LAYERS), "bfloat16")
+    row = REF_H * 2
+    print(f"(c) files: reference cache {REF_TOKENS / 1e9:.2f} B tokens x {bpt:,} B/token = "
+          f"{REF_TOKENS * bpt / 1e12:.1f} TB (H = {REF_H}, layers {REF_LAYERS} + last, bf16)")
+    for storage in ("zarr", "hdf5"):
+        per_part, root = files_per_part(storage)
+        print(f"\n    {storage}: {per_part} files per part (+ {root} at the root)")
+        print(f"    {'part_tokens':>11} {'shard_bytes needed':>18} {'parts':>8} {'files':>9} {'files/TB':>9} "
+              f"{'hidden object':>13} {'part in memory':>14}")
+        for pt in (65_536, 131_072, 262_144, 524_288, 1_048_576):
+            parts = -(-REF_TOKENS // pt)
+            files = parts * per_part + root
+            print(f"    {pt:>11,} {pt * row / 2**30:>15.2f} GiB {parts:>8,} {files:>9,} "
+                  f"{files / (REF_TOKENS * bpt / 1e12):>9,.0f} {pt * row / 1e9:>10.2f} GB {pt * bpt / 1e9:>11.2f} GB")
+
+
 # ---- the tables --------------------------------------------------------------------------------
 
 def main() -> None:
@@ -134,7 +185,11 @@ def main() -> None:
     ap.add_argument("--old-src", default=None, help="checkout of the previous code (format v1)")
     ap.add_argument("--keep", default=None, help="write the stores here instead of a temp dir")
     ap.add_argument("--worker", nargs="*")
+    ap.add_argument("--only-files", action="store_true")
     a = ap.parse_args()
+    if a.only_files:
+        files_table()
+        return
     if a.worker is not None:
         kind, url, n = a.worker
         print(json.dumps(worker_write(url, int(n)) if kind == "write" else worker_open(url, int(n))))
@@ -187,6 +242,8 @@ def main() -> None:
                 print(f"{label:9} {n:>6} {req:>9} {req / n:>9.2f} {o['open_s'] * 1000:>9.1f}")
     finally:
         moto.server.stop()
+    print()
+    files_table()
     if not a.keep:
         shutil.rmtree(work, ignore_errors=True)
 

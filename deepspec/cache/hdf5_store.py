@@ -107,7 +107,7 @@ class HDF5Store(CacheStore):
         self._tables: dict[str, dict] = {}
 
     def __getstate__(self):
-        return dict(self.__dict__, _fs=None, _tables={})
+        return dict(self.__dict__, _fs=None, _tables={}, _last_listing=None)
 
     # ---- bytes -------------------------------------------------------------------------------
     @property
@@ -272,13 +272,16 @@ class HDF5Store(CacheStore):
                 # the name exists only after a commit: an unreadable file is a damaged committed part
                 attrs = {"committed": True, "samples": 0, "tokens": 0, "damaged": f"unreadable ({e.__class__.__name__})"}
             out[name] = attrs
-        return dict(sorted(out.items()))
+        self._last_listing = dict(sorted(out.items()))
+        return dict(self._last_listing)
 
     def part_damage(self, name: str, arrays: list[str]) -> str | None:
         """Cheap: the file opens, its chunk table's crc32c holds, every array listed is in it, every
         chunk lies inside the file, and the last chunk of every array passes its Fletcher-32."""
         key = f"parts/{name}{SUFFIX}"
-        marks = self.committed_parts().get(name) or {}
+        # the writer checks every part in turn right after listing them: one listing, not one per part
+        listed = getattr(self, "_last_listing", None)
+        marks = (listed if listed is not None and name in listed else self.committed_parts()).get(name) or {}
         if "damaged" in marks:
             return f"{key}: {marks['damaged']}"
         try:
@@ -301,6 +304,7 @@ class HDF5Store(CacheStore):
     def delete_part(self, name: str) -> None:
         self._delete_key(f"parts/{name}{SUFFIX}")
         self._tables.pop(name, None)
+        self._last_listing = None
 
     def delete_all(self) -> None:
         self._delete_key("parts")

@@ -55,3 +55,25 @@ def test_golden_store_verifies_and_reports(name, storage, dtype, codec, tmp_path
     shutil.copytree(GOLDEN / name, url)  # verify reads only, but keep the checked-in files untouched
     assert verify(url)["ok"]
     assert info(url)["storage"] == storage and info(url)["samples"] == 3
+
+
+@pytest.mark.parametrize("name", ["zarr-bf16", "hdf5-fp8-zstd"])
+def test_a_v1_store_derives_into_a_v2_store_with_the_same_samples(name, tmp_path):
+    """format_version is content (§8): a v2 writer never adds parts to a v1 store; the cache stage
+    derives the v2 store from it instead (hard links for Zarr, nothing recomputed)."""
+    from deepspec.cache.derive import derive_store
+
+    src = str(tmp_path / name)
+    shutil.copytree(GOLDEN / name, src)
+    out = derive_store(src, str(tmp_path / "v2"))
+    a, b = CacheReader(src), CacheReader(str(tmp_path / "v2"))
+    assert a.manifest.format_version == 1 and b.manifest.format_version == 2 and b.manifest.index is not None
+    assert out["parts_derived"] == 2 and list(a.sample_ids()) == list(b.sample_ids())
+    assert np.array_equal(a.lengths(), b.lengths())
+    if name.startswith("zarr"):
+        assert out["method"] == ["hardlink"]
+    for k in range(len(a)):
+        x, y = a.read(k), b.read(k)
+        assert all(np.array_equal(x[f], y[f]) for f in ("input_ids", "loss_mask"))
+        for layer in [*LAYERS, "last"]:
+            assert np.array_equal(x[layer][0], y[layer][0])
