@@ -9,9 +9,10 @@ part after it, so the rerun repeats the same packing.
 
 Committing a part writes only that part's own objects (its commit record carries the part's sample
 lengths and ids): the root is not touched, so a commit costs the same bytes whatever the number of
-parts. Rank 0 marks the root manifest "not consolidated" when it opens the store (readers then list
-the committed parts), and consolidates once when done (`write_manifest`): the parts list and the
-per-sample index array, after which a reader opens the store with O(1) requests.
+parts. Rank 0 marks the root manifest "not consolidated" before the first commit of its run
+(readers then list the committed parts), and consolidates once when done (`write_manifest`): the
+per-sample index array, then the root listing the parts, after which a reader opens the store with
+O(1) requests. A run that commits nothing rewrites nothing.
 """
 from __future__ import annotations
 
@@ -176,8 +177,8 @@ class CacheWriter:
     def _mark_writing(self) -> None:
         """At open: a consolidated root that no longer describes the committed parts (debris or
         damage was deleted above) is marked "not consolidated"; so is a new store's. Otherwise the
-        root stays as it is until this writer commits its first part (_before_first_commit), so a
-        run that writes nothing rewrites nothing."""
+        root stays as it is until this writer commits its first part (write_part), so a run that
+        writes nothing rewrites nothing."""
         names = set(self.store.committed_parts())
         self._rows = {n: r for n, r in self._rows.items() if n in names}  # parts deleted above are gone
         old = self.store.root_attrs()
