@@ -17,6 +17,11 @@ subprocess whose PYTHONPATH is the code under test. Prints
       H = 2,560, 30,726 B/token) at several part sizes: files, files per TB, bytes of one hidden
       object, and bytes of one part (what the writer holds per part in memory).
   `--only-files` prints (c) alone (seconds).
+
+Measured (2 shared cores, old = 8a04f09): bookkeeping bytes per part 457 / 439 / 436 at 100 / 500 /
+2,000 parts (1.05x; old 5,025 / 22,222 / 86,723, 17.3x; root manifest bytes at 2,000 parts 173 KB
+vs 173 MB); open on S3 4 requests at 25 / 100 / 400 parts (old 253 / 1,003 / 4,003, 10 per part);
+local open 3 / 35 / 64 ms at 100 / 500 / 2,000 parts (old 264 / 1,194 / 7,771 ms).
 """
 from __future__ import annotations
 
