@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from deepspec.cache.format import FORMAT, FORMAT_VERSION, CacheFormatError
+from deepspec.cache.format import FORMAT, FORMAT_VERSION, INDEX_COLUMNS, READ_VERSIONS, CacheFormatError
 
 STORAGES = ("zarr", "hdf5")
 PART_NAME = re.compile(r"p\d{6}")
@@ -41,7 +41,11 @@ class PartEntry:
 class Manifest(Mapping):
     """The root manifest (docs/cache-format.md §3). Keys this version does not know are kept in
     `extra` and written back unchanged. Read-only mapping access (`m["layers"]`, `m.get(...)`) gives
-    the JSON form, for code that only reads fields."""
+    the JSON form, for code that only reads fields.
+
+    `consolidated` (format v2): true when `parts` and the per-sample `index` describe the store; a
+    store a writer is adding parts to (or was, until it was killed) is not, and its parts are found
+    by listing (CacheStore.read_manifest does). A v1 manifest always lists its parts."""
     target: dict
     layers: list[int]
     dtype: str
@@ -54,6 +58,8 @@ class Manifest(Mapping):
     parts: list[PartEntry] = field(default_factory=list)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
+    consolidated: bool = True
+    index: dict | None = None  # {"key", "offset", "nbytes", "crc32c", "samples", "columns"} (v2)
     extra: dict = field(default_factory=dict)
 
     _KNOWN: ClassVar[tuple[str, ...]] = ()
@@ -73,9 +79,9 @@ class Manifest(Mapping):
         where = f"{url}: " if url else ""
         if d.get("format", FORMAT) != FORMAT:
             raise CacheFormatError(f"{where}not a deepspec cache (format attribute is {d.get('format')!r})")
-        if d.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
+        if d.get("format_version", FORMAT_VERSION) not in READ_VERSIONS:
             raise CacheFormatError(f"{where}format_version {d.get('format_version')} is not supported "
-                                   f"(this reader knows {FORMAT_VERSION})")
+                                   f"(this reader knows {', '.join(map(str, READ_VERSIONS))})")
         names = {f.name for f in fields(cls)} - {"extra"}
         missing = [k for k in ("target", "layers", "dtype") if k not in d]
         if missing:
@@ -85,6 +91,8 @@ class Manifest(Mapping):
         d.pop("num_tokens", None)
         known["parts"] = [PartEntry(**p) for p in known.get("parts", [])]
         known["layers"] = [int(i) for i in known["layers"]]
+        if int(known.get("format_version", FORMAT_VERSION)) < 2:
+            known["consolidated"], known["index"] = True, None  # v1: the parts list is the store
         if known.get("storage", "zarr") not in STORAGES:
             raise CacheFormatError(f"{where}unknown storage {known['storage']!r} (known: {list(STORAGES)})")
         return cls(**known, extra=d)
@@ -97,14 +105,26 @@ class Manifest(Mapping):
             v = getattr(self, f.name)
             if f.name == "storage" and v == "zarr":
                 continue  # a Zarr store's manifest is what it was before backends existed
+            if f.name == "consolidated" and self.format_version < 2:
+                continue
             if v is not None:
                 d[f.name] = v
         d["parts"] = [p.to_dict() for p in self.parts]
         d["num_samples"], d["num_tokens"] = self.num_samples, self.num_tokens
         return d
 
+    def stored_dict(self) -> dict:
+        """What a writer stores: a manifest that is not consolidated holds the content fields only,
+        so marking a store as being written costs O(1) bytes whatever its number of parts."""
+        d = self.to_dict()
+        if not self.consolidated:
+            for k in ("parts", "num_samples", "num_tokens", "index"):
+                d.pop(k, None)
+        return d
+
     def content(self) -> dict:
-        return {k: v for k, v in self.to_dict().items() if k not in ("parts", "num_samples", "num_tokens")}
+        return {k: v for k, v in self.to_dict().items()
+                if k not in ("parts", "num_samples", "num_tokens", "consolidated", "index")}
 
     # read-only mapping view of the JSON form
     def __getitem__(self, key: str):
@@ -166,14 +186,72 @@ class CacheStore(ABC):
         """The stored manifest as raw JSON ({} when the store is new)."""
 
     def read_manifest(self) -> Manifest:
+        """The manifest; a store that was never consolidated (a writer is adding parts, or was
+        killed before it consolidated) gets its parts by listing the committed parts, in name order."""
         attrs = self.root_attrs()
         if attrs.get("format") != FORMAT:
             raise CacheFormatError(f"{self.url}: not a deepspec cache (format attribute is {attrs.get('format')!r})")
-        return Manifest.from_dict(attrs, self.url)
+        m = Manifest.from_dict(attrs, self.url)
+        self._listed = None
+        if not m.consolidated:
+            listed = self.committed_parts()
+            bad = [f"{n} ({a['damaged']})" for n, a in listed.items() if "damaged" in a]
+            if bad:
+                raise CacheFormatError(f"{self.url}: committed part {bad[0]} cannot be read")
+            m.parts = [entry_of(n, a) for n, a in listed.items()]
+            self._listed = index_rows(m.parts, {n: self.part_rows(n, a) for n, a in listed.items()})
+        return m
+
+    def open_index(self, manifest: Manifest) -> np.ndarray | None:
+        """The per-sample index [samples, 4] (INDEX_COLUMNS) of `manifest`: the consolidated array
+        (one ranged read), or the one built while listing an unconsolidated store; None for a v1
+        store (its parts' offsets and sample ids are read part by part)."""
+        if manifest.index is not None:
+            return self.read_index(manifest.index)
+        if not manifest.consolidated:
+            return getattr(self, "_listed", None)
+        return None
+
+    def read_index(self, desc: dict) -> np.ndarray:
+        from crc32c import crc32c
+
+        n, key = int(desc["samples"]), desc["key"]
+        if list(desc.get("columns", INDEX_COLUMNS)) != list(INDEX_COLUMNS):
+            raise CacheFormatError(f"{self.url}: index columns {desc.get('columns')} are not {list(INDEX_COLUMNS)}")
+        if int(desc["nbytes"]) != 32 * n:
+            raise CacheFormatError(f"{self.url}: {key}: index of {n} samples must be {32 * n} bytes, "
+                                   f"manifest says {desc['nbytes']}")
+        if n == 0:
+            return np.zeros((0, 4), dtype=np.uint64)
+        start = int(desc["offset"])
+        raw = self.read_range(key, start, start + 32 * n)
+        if crc32c(raw) != int(desc["crc32c"]):
+            raise CacheFormatError(f"{self.url}: {key}: index checksum mismatch (corrupt bytes)")
+        return np.frombuffer(raw, dtype="<u8").reshape(n, 4).astype(np.uint64)
+
+    @abstractmethod
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of one store key, in one request."""
+
+    @abstractmethod
+    def write_index(self, rows: np.ndarray) -> dict:
+        """Replace the consolidated index with `rows` (uint64 [samples, 4]); returns its manifest
+        descriptor {"key", "offset", "nbytes", "crc32c", "samples", "columns"}."""
+
+    def part_rows(self, name: str, attrs: dict) -> tuple[np.ndarray, np.ndarray]:
+        """(lengths, sample ids) of a committed part: from its commit record when that carries them
+        (a v2 Zarr part), else read from its `offsets` and `sample_id` arrays."""
+        if "lengths" in attrs and "sample_ids" in attrs:
+            ids = attrs["sample_ids"]
+            ids = [int(v, 16) for v in ids] if len(ids) and isinstance(ids[0], str) else ids
+            return np.asarray(attrs["lengths"], dtype=np.int64), np.asarray(ids, dtype=np.uint64)
+        entry = entry_of(name, attrs)
+        offsets = np.asarray(self.read_slow(entry, "offsets", 0, entry.samples + 1), dtype=np.int64)
+        return np.diff(offsets), np.asarray(self.read_slow(entry, "sample_id", 0, entry.samples), dtype=np.uint64)
 
     @abstractmethod
     def write_manifest(self, manifest: Manifest) -> None:
-        """Replace the root manifest in one atomic, durable step."""
+        """Replace the root manifest (Manifest.stored_dict) in one atomic, durable step."""
 
     # ---- listing, debris, damage (writers) ----------------------------------------------------
     @abstractmethod
@@ -218,6 +296,55 @@ class CacheStore(ABC):
 
     @abstractmethod
     def array_rows(self, part: PartEntry, array: str) -> int: ...
+
+
+def entry_of(name: str, attrs: dict) -> PartEntry:
+    """A part's manifest entry from its commit record (CacheStore.committed_parts)."""
+    where = attrs.get("chunk_index")
+    return PartEntry(name, int(attrs["samples"]), int(attrs["tokens"]),
+                     [int(v) for v in where] if where is not None else None)
+
+
+def index_rows(parts: list[PartEntry], rows: dict[str, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """The consolidated index (docs/cache-format.md §3.1): one row per sample in global order,
+    (part position in `parts`, first row in the part, length, sample id), uint64."""
+    blocks = []
+    for k, p in enumerate(parts):
+        lengths, ids = rows[p.name]
+        if len(lengths) != p.samples or len(ids) != p.samples or int(np.sum(lengths)) != p.tokens:
+            raise CacheFormatError(f"parts/{p.name}: its commit record says {p.samples} samples, {p.tokens} tokens; "
+                                   f"its rows give {len(lengths)} samples, {int(np.sum(lengths))} tokens")
+        block = np.empty((len(lengths), 4), dtype=np.uint64)
+        block[:, 0] = k
+        block[:, 1] = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else []
+        block[:, 2] = lengths
+        block[:, 3] = ids
+        blocks.append(block)
+    return np.concatenate(blocks) if blocks else np.zeros((0, 4), dtype=np.uint64)
+
+
+def split_index(index: np.ndarray, parts: list[PartEntry], url: str = "") -> tuple[list, list]:
+    """Per part: offsets int64 [n + 1] and sample ids uint64 [n], checked against the parts list."""
+    counts = np.array([p.samples for p in parts], dtype=np.int64)
+    if len(index) != int(counts.sum()):
+        raise CacheFormatError(f"{url}: index has {len(index)} rows, the parts list {int(counts.sum())} samples")
+    want = np.repeat(np.arange(len(parts), dtype=np.uint64), counts)
+    if len(index) and not np.array_equal(index[:, 0], want):
+        bad = int(np.flatnonzero(index[:, 0] != want)[0])
+        raise CacheFormatError(f"{url}: index row {bad}: part {int(index[bad, 0])}, expected {int(want[bad])}")
+    offsets, ids = [], []
+    start = 0
+    for p, n in zip(parts, counts):
+        block = index[start:start + n]
+        o = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(block[:, 2].astype(np.int64), out=o[1:])
+        if n and (not np.array_equal(block[:, 1].astype(np.int64), o[:-1]) or o[-1] != p.tokens):
+            raise CacheFormatError(f"{url}: index rows {start}..{start + n - 1} (parts/{p.name}): offsets and "
+                                   f"lengths do not tile its {p.tokens} tokens")
+        offsets.append(o)
+        ids.append(block[:, 3].copy())
+        start += n
+    return offsets, ids
 
 
 def detect(url: str, storage_options: dict | None = None) -> str | None:

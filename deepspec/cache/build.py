@@ -90,7 +90,7 @@ def _encode_line(tokenizer, path, lineno: int, line: bytes, max_length: int) -> 
         raise CacheFormatError(f"{path}:{lineno}: {e}") from None
 
 
-def index_rows(tokenizer, path, max_length: int) -> RowIndex:
+def index_regen(tokenizer, path, max_length: int) -> RowIndex:
     """One pass over the regen file: tokenise each row, keep its id, length and byte offset, drop
     the tokens."""
     ids, lengths, offsets, lines = array("Q"), array("q"), array("q"), array("q")
@@ -362,7 +362,7 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
     """Write every missing part: taken from `source` (deepspec.cache.derive) when it holds a part of
     the same composition, else computed with the target."""
     if rank == 0:  # rank 0 reads the input and the store once; every rank gets the same plan
-        index = index_rows(tokenizer, regen_path, cfg.max_length)
+        index = index_regen(tokenizer, regen_path, cfg.max_length)
         owner = committed_owner(index.sample_ids, writer.committed_part_sample_ids())
         plan = plan_parts(index.lengths, owner, writer.committed_parts(), part_tokens_for(cfg, ident["hidden_size"]))
         cached = int((owner >= 0).sum())
@@ -390,7 +390,7 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
             del samples  # the next part's samples are tokenised before this name is rebound
             writer.submit(part)
             bar.update(part.tokens)
-        writer.close()
+        writer.close(consolidate=False)  # rank 0 consolidates once, below, after every rank
     except BaseException:
         writer.abort()
         raise

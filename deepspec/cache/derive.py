@@ -30,7 +30,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from deepspec.cache.format import (FORMAT, FORMAT_VERSION, CacheFormatError, bytes_per_token, encode_hidden,
+from deepspec.cache.format import (FORMAT, FORMAT_VERSION, READ_VERSIONS, CacheFormatError, bytes_per_token, encode_hidden,
                                    hidden_name, part_arrays, scale_name)
 from deepspec.cache.backend import open_cache
 from deepspec.cache.lease import acquire
@@ -47,8 +47,8 @@ FICLONE = 0x40049409  # ioctl: share the source's extents (btrfs, xfs, ...)
 
 def why_not(src: dict, want: dict) -> str | None:
     """Why a store with manifest `src` cannot give the store `want` describes, or None when it can."""
-    if src.get("format") != FORMAT or src.get("format_version") != FORMAT_VERSION:
-        return f"not a deepspec cache of format version {FORMAT_VERSION}"
+    if src.get("format") != FORMAT or src.get("format_version") not in READ_VERSIONS:
+        return f"not a deepspec cache of format version {' or '.join(map(str, READ_VERSIONS))}"
     why = manifest_mismatch({"target": src.get("target")}, {"target": want["target"]})
     if why:
         return f"another target identity ({why})"

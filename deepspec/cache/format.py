@@ -21,7 +21,11 @@ import numpy as np
 import torch
 
 FORMAT = "deepspec-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# versions this code reads: v1 lists every part in the root manifest (rewritten after each part);
+# v2 commits a part without touching the root and consolidates a per-sample index once per run
+READ_VERSIONS = (1, 2)
+INDEX_COLUMNS = ("part", "offset", "length", "sample_id")  # the consolidated index, uint64 [samples, 4]
 DTYPES = ("bfloat16", "fp8")
 CODECS = ("none", "blosc-zstd", "blosc-lz4")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

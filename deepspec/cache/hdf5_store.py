@@ -23,7 +23,7 @@ from crc32c import crc32c
 
 from deepspec.cache.backend import (PART_NAME, ArrayLayout, ArraySpec, CacheStore, Manifest, PartEntry,
                                     fletcher32_matches)
-from deepspec.cache.format import BLOSC, FORMAT, CacheFormatError
+from deepspec.cache.format import BLOSC, FORMAT, INDEX_COLUMNS, CacheFormatError
 from deepspec.cache.store import PartConflict, _durable_replace, fsync_path, local_path, storage_options_for
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 MANIFEST_NAME = "manifest.json"
 SUFFIX = ".h5"
 INDEX_DATASET = "chunk_index"
+INDEX_FILE = "index.h5"  # the consolidated per-sample index: dataset "index", uint64 [samples, 4] (§3.1)
 
 
 def h5_compression(codec: str) -> dict:
@@ -98,7 +99,7 @@ def write_part_file(path: str, arrays: list[ArraySpec], attrs: dict) -> list[int
 
 class HDF5Store(CacheStore):
     kind = "hdf5"
-    layout_entries = frozenset({MANIFEST_NAME, "parts"})
+    layout_entries = frozenset({MANIFEST_NAME, "parts", INDEX_FILE})
 
     def __init__(self, url: str, storage_options: dict | None = None, writable: bool = False):
         super().__init__(url, storage_options, writable)
@@ -106,7 +107,7 @@ class HDF5Store(CacheStore):
         self._tables: dict[str, dict] = {}
 
     def __getstate__(self):
-        return dict(self.__dict__, _fs=None, _tables={})
+        return dict(self.__dict__, _fs=None, _tables={}, _last_listing=None)
 
     # ---- bytes -------------------------------------------------------------------------------
     @property
@@ -166,8 +167,42 @@ class HDF5Store(CacheStore):
         except ValueError:
             raise CacheFormatError(f"{self.url}/{MANIFEST_NAME}: not valid JSON") from None
 
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        return self._cat(key, start, end)
+
+    def write_index(self, rows: np.ndarray) -> dict:
+        """`index.h5`: one contiguous, unfiltered dataset `index`; the manifest records its byte
+        range and crc32c, so a reader fetches it with one ranged read (h5py reads it too)."""
+        import h5py
+
+        rows = np.ascontiguousarray(rows, dtype="<u8").reshape(-1, 4)
+        if self.remote:
+            fd, tmp = tempfile.mkstemp(suffix=SUFFIX, prefix="deepspec-index-")
+            os.close(fd)
+        else:
+            root = local_path(self.url)
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = str(root / f"{INDEX_FILE}.{uuid.uuid4().hex}.partial")
+        try:
+            with h5py.File(tmp, "w", libver=("v110", "v110")) as f:
+                d = f.create_dataset("index", data=rows, track_times=False)
+                f.attrs["columns"] = list(INDEX_COLUMNS)
+                f.flush()
+                offset = int(d.id.get_offset() or 0)
+            if self.remote:
+                self.fs.put_file(tmp, self._path(INDEX_FILE))
+            else:
+                fsync_path(tmp)
+                os.replace(tmp, self._path(INDEX_FILE))
+                fsync_path(str(root))
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return {"key": INDEX_FILE, "offset": offset, "nbytes": int(rows.nbytes), "crc32c": crc32c(rows.tobytes()),
+                "samples": len(rows), "columns": list(INDEX_COLUMNS)}
+
     def write_manifest(self, manifest: Manifest) -> None:
-        data = json.dumps(manifest.to_dict(), indent=1, sort_keys=True).encode()
+        data = json.dumps(manifest.stored_dict(), indent=1, sort_keys=True).encode()
         if self.remote:
             self.fs.pipe_file(self._path(MANIFEST_NAME), data)
             return
@@ -227,19 +262,26 @@ class HDF5Store(CacheStore):
             try:
                 with self._h5(name) as f:
                     attrs = {k: (v.item() if hasattr(v, "item") and np.ndim(v) == 0 else v) for k, v in f.attrs.items()}
+                    # what the consolidated index needs, read while the file is open anyway
+                    lengths = np.diff(np.asarray(f["offsets"][:], dtype=np.int64))
+                    ids = np.asarray(f["sample_id"][:], dtype=np.uint64)
                 attrs[INDEX_DATASET] = [int(v) for v in attrs[INDEX_DATASET]]
                 attrs = {k: (int(v) if isinstance(v, (np.integer, bool, np.bool_)) else v) for k, v in attrs.items()}
+                attrs["lengths"], attrs["sample_ids"] = lengths, ids
             except (OSError, KeyError, ValueError) as e:
                 # the name exists only after a commit: an unreadable file is a damaged committed part
                 attrs = {"committed": True, "samples": 0, "tokens": 0, "damaged": f"unreadable ({e.__class__.__name__})"}
             out[name] = attrs
-        return dict(sorted(out.items()))
+        self._last_listing = dict(sorted(out.items()))
+        return dict(self._last_listing)
 
     def part_damage(self, name: str, arrays: list[str]) -> str | None:
         """Cheap: the file opens, its chunk table's crc32c holds, every array listed is in it, every
         chunk lies inside the file, and the last chunk of every array passes its Fletcher-32."""
         key = f"parts/{name}{SUFFIX}"
-        marks = self.committed_parts().get(name) or {}
+        # the writer checks every part in turn right after listing them: one listing, not one per part
+        listed = getattr(self, "_last_listing", None)
+        marks = (listed if listed is not None and name in listed else self.committed_parts()).get(name) or {}
         if "damaged" in marks:
             return f"{key}: {marks['damaged']}"
         try:
@@ -262,9 +304,11 @@ class HDF5Store(CacheStore):
     def delete_part(self, name: str) -> None:
         self._delete_key(f"parts/{name}{SUFFIX}")
         self._tables.pop(name, None)
+        self._last_listing = None
 
     def delete_all(self) -> None:
         self._delete_key("parts")
+        self._delete_key(INDEX_FILE)
         self._delete_key(MANIFEST_NAME)
         self._tables.clear()
 
@@ -283,6 +327,8 @@ class HDF5Store(CacheStore):
             if (parts / f"{name}{SUFFIX}").exists():
                 raise PartConflict(f"{self.url}: {key} already exists; a committed part is never rewritten")
             tmp = str(parts / f"{name}{SUFFIX}.{uuid.uuid4().hex}.partial")
+        # the rows a Zarr commit record carries are the part file's own offsets/sample_id here
+        attrs = {k: v for k, v in attrs.items() if k not in ("lengths", "sample_ids")}
         try:
             where = write_part_file(tmp, arrays, attrs)
             if self.remote:

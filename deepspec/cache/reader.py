@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deepspec.cache.backend import ArrayLayout, CacheStore, PartEntry, fletcher32_matches, open_cache
+from deepspec.cache.backend import ArrayLayout, CacheStore, PartEntry, fletcher32_matches, open_cache, split_index
 from deepspec.cache.format import CacheFormatError, hidden_name, scale_name
 from deepspec.cache.store import is_remote, storage_options_for
 
@@ -303,8 +303,14 @@ class CacheReader:
         self.dtype = self.manifest.dtype
         self.storage = self.manifest.storage
         self._state = None  # (pid, store, files, shard reader, layouts) per process
-        self._offsets = [self.read_array(p, "offsets", 0, e.samples + 1) for p, e in enumerate(self.entries)]
-        self._ids = [self.read_array(p, "sample_id", 0, e.samples) for p, e in enumerate(self.entries)]
+        # v2: one read of the consolidated per-sample index (or the rows listed from an unconsolidated
+        # store's commit records); v1: every part's offsets and sample ids, part by part
+        index = self.store.open_index(self.manifest)
+        if index is not None:
+            self._offsets, self._ids = split_index(index, self.entries, url)
+        else:
+            self._offsets = [self.read_array(p, "offsets", 0, e.samples + 1) for p, e in enumerate(self.entries)]
+            self._ids = [self.read_array(p, "sample_id", 0, e.samples) for p, e in enumerate(self.entries)]
 
     def __getstate__(self):
         state = dict(self.__dict__)

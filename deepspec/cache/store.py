@@ -11,7 +11,7 @@ from typing import Any
 import zarr
 from zarr.storage import FsspecStore, LocalStore
 
-from deepspec.cache.format import CONTENT_KEYS, FORMAT, FORMAT_VERSION, CacheFormatError
+from deepspec.cache.format import CONTENT_KEYS, FORMAT, FORMAT_VERSION, READ_VERSIONS, CacheFormatError
 
 
 def is_remote(url: str) -> bool:
@@ -176,9 +176,9 @@ def read_manifest(root: zarr.Group, url: str) -> dict:
     attrs = dict(root.attrs)
     if attrs.get("format") != FORMAT:
         raise CacheFormatError(f"{url}: not a deepspec cache (format attribute is {attrs.get('format')!r})")
-    if attrs.get("format_version") != FORMAT_VERSION:
+    if attrs.get("format_version") not in READ_VERSIONS:
         raise CacheFormatError(f"{url}: format_version {attrs.get('format_version')} is not supported "
-                               f"(this reader knows {FORMAT_VERSION})")
+                               f"(this reader knows {', '.join(map(str, READ_VERSIONS))})")
     return attrs
 
 

@@ -6,6 +6,13 @@ durable replace). On opening, rank 0 deletes everything a killed writer leaves (
 zarr's `*.partial` temp files, anything else that is not part of the layout) and checks every
 committed part of a local store cheaply (verify.part_damage): a damaged one is deleted with every
 part after it, so the rerun repeats the same packing.
+
+Committing a part writes only that part's own objects (its commit record carries the part's sample
+lengths and ids): the root is not touched, so a commit costs the same bytes whatever the number of
+parts. Rank 0 marks the root manifest "not consolidated" before the first commit of its run
+(readers then list the committed parts), and consolidates once when done (`write_manifest`): the
+per-sample index array, then the root listing the parts, after which a reader opens the store with
+O(1) requests. A run that commits nothing rewrites nothing.
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ import numpy as np
 import torch
 
 from deepspec.cache.backend import (PART_NAME, ArraySpec, CacheStore, Manifest, PartEntry, backend_class, detect,
-                                    open_for_write)
+                                    entry_of, index_rows, open_for_write)
 from deepspec.cache.format import CONTENT_KEYS, CacheFormatError, encode_hidden, hidden_name, part_arrays, scale_name
 from deepspec.cache.lease import DEFAULT_TTL_S, LEASE_NAME, acquire, join
 from deepspec.cache.store import is_remote
@@ -88,7 +95,11 @@ class CacheWriter:
         else:
             self.lease = join(url, storage_options, run_id)
         self.rank = rank
+        self._marked = True  # rank 0 sets this in _mark_writing; other ranks never write the root
         self._committed: dict[str, PartEntry] | None = None
+        # (lengths, sample ids) of every committed part this writer knows: its own, the last
+        # consolidated index's, and those read from other parts' commit records
+        self._rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         try:
             if rank == 0:
                 self._switch_backend(not self.remote if prune_stale is None else prune_stale)
@@ -139,10 +150,52 @@ class CacheWriter:
                 log.warning("%s: existing cache is stale (%s): pruning all parts", self.url, why)
                 for name in self.store.committed_parts():
                     self.store.delete_part(name)
+            elif old.get("consolidated", True):
+                self._load_index(old)
         self.store.prune_debris(self.keep_at_root)
         if not self.remote:
             self._drop_damaged()
-        self.write_manifest()
+        self._mark_writing()
+
+    def _load_index(self, old: dict) -> None:
+        """The rows of the parts the last consolidation listed, so that neither resume nor the next
+        consolidation reads them again. A v1 store has no index: its parts are read once."""
+        try:
+            m = Manifest.from_dict(old, self.url)
+            index = self.store.open_index(m)
+        except (CacheFormatError, OSError, ValueError) as e:
+            log.warning("%s: consolidated index unreadable (%s): parts are listed instead", self.url, e)
+            return
+        if index is None:
+            return
+        from deepspec.cache.backend import split_index
+
+        offsets, ids = split_index(index, m.parts, self.url)
+        for p, o, i in zip(m.parts, offsets, ids):
+            self._rows[p.name] = (np.diff(o), i)
+
+    def _mark_writing(self) -> None:
+        """At open: a consolidated root that no longer describes the committed parts (debris or
+        damage was deleted above) is marked "not consolidated"; so is a new store's. Otherwise the
+        root stays as it is until this writer commits its first part (write_part), so a run that
+        writes nothing rewrites nothing."""
+        names = set(self.store.committed_parts())
+        self._rows = {n: r for n, r in self._rows.items() if n in names}  # parts deleted above are gone
+        old = self.store.root_attrs()
+        listed = {p["name"] for p in old.get("parts", [])} if old.get("consolidated") else None
+        self._marked = False
+        if listed is None or listed != names or old.get("format") != self.manifest.format:
+            self._mark()
+
+    def _mark(self) -> None:
+        """The root says "not consolidated" (content fields only, O(1) bytes): a store this run
+        leaves behind, killed or not, opens by listing its committed parts."""
+        m = Manifest.from_dict(self.manifest.to_dict())
+        m.parts, m.consolidated, m.index = [], False, None
+        if m.stored_dict() != self.store.root_attrs():
+            self.lease.check()
+            self.store.write_manifest(m)
+        self._marked = True
 
     def _drop_damaged(self) -> None:
         """A committed part whose files did not survive (a power loss before the writer fsynced
@@ -170,13 +223,17 @@ class CacheWriter:
     def committed_part_sample_ids(self) -> dict[str, np.ndarray]:
         """Each committed part's sample ids (uint64, in the part's order): what the cache stage's
         part plan needs to know of a store."""
-        return {name: np.asarray(self.store.read_slow(a, "sample_id", 0, a.samples), dtype=np.uint64)
-                for name, a in self._entries().items()}
+        return {name: self._rows[name][1] for name in self._entries()}
 
     def _entries(self) -> dict[str, PartEntry]:
-        return {n: PartEntry(n, int(a["samples"]), int(a["tokens"]),
-                             [int(v) for v in a["chunk_index"]] if "chunk_index" in a else None)
-                for n, a in self.store.committed_parts().items()}
+        """Every committed part, listed; the rows of parts not yet known are taken from their commit
+        records (one small read per part, which the listing already does for Zarr)."""
+        out = {}
+        for n, a in self.store.committed_parts().items():
+            out[n] = entry_of(n, a)
+            if n not in self._rows or len(self._rows[n][0]) != out[n].samples:
+                self._rows[n] = self.store.part_rows(n, a)
+        return out
 
     # ---- writing ------------------------------------------------------------------------------
     def submit(self, part: PartData) -> None:
@@ -184,10 +241,14 @@ class CacheWriter:
         self._raise_if_failed()
         self._queue.put(part)
 
-    def close(self) -> None:
+    def close(self, consolidate: bool = True) -> None:
+        """Wait for the pending parts; rank 0 then consolidates (pass False when other ranks are
+        still writing: rank 0 consolidates once after all of them, write_manifest(rescan=True))."""
         self._queue.put(None)
         self._thread.join()
         self._raise_if_failed()
+        if consolidate and self.rank == 0:
+            self.write_manifest(rescan=True)
 
     def abort(self) -> None:
         """Stop after the part being written; pending parts are dropped (they are not committed)."""
@@ -248,16 +309,21 @@ class CacheWriter:
         self.lease.check()
         if not PART_NAME.fullmatch(part.name):
             raise CacheFormatError(f"part name {part.name!r} is not p + 6 digits")
-        attrs = {"committed": True, "samples": int(len(part.lengths)), "tokens": part.tokens, "rank": self.rank}
+        lengths = np.asarray(part.lengths, dtype=np.int64)
+        ids = np.asarray(part.sample_ids, dtype=np.uint64)
+        # the commit record carries what the consolidated index needs: O(samples of this part) bytes
+        attrs = {"committed": True, "samples": int(len(lengths)), "tokens": part.tokens, "rank": self.rank,
+                 "lengths": [int(v) for v in lengths], "sample_ids": [f"{int(v):016x}" for v in ids]}
         # arrays a derive links from its source (part.copy) are not written again
         specs = [spec for spec in self.part_specs(part) if spec.name not in part.copied]
+        if self.rank == 0 and not self._marked:
+            self._mark()  # once per run, before the first commit: the root is not touched per part
         before = None if part.copy is None else (lambda group: part.copy(self, group))
         entry = self.store.write_part(part.name, specs, attrs, self.rank, self.lease, before=before)
         log.debug("committed part %s: %d samples, %d tokens", part.name, len(part.lengths), part.tokens)
+        self._rows[part.name] = (lengths, ids)
         if self._committed is not None:
             self._committed[part.name] = entry
-        if self.rank == 0 and self._thread is threading.current_thread():
-            self.write_manifest()
 
     def _manifest(self) -> Manifest:
         # listing every part costs one metadata read per part: do it once, then keep the list up to
@@ -269,12 +335,28 @@ class CacheWriter:
         return m
 
     def write_manifest(self, rescan: bool = False) -> dict:
-        """Consolidate the committed parts into the root manifest (one atomic object write)."""
+        """Consolidate: the per-sample index of every committed part, then the root manifest listing
+        them (each one object write). `rescan` lists the parts again (other ranks' parts too). A
+        rerun that changes nothing writes nothing."""
         if rescan:
             self._committed = None
         m = self._manifest()
+        m.consolidated = True
+        rows = index_rows(m.parts, self._rows)
+        stored = self.store.root_attrs()
+        have = stored.get("index") if stored.get("consolidated") else None
+        from crc32c import crc32c
+
+        crc = crc32c(np.ascontiguousarray(rows, dtype="<u8").tobytes())
+        if have and (int(have.get("samples", -1)), int(have.get("crc32c", -1))) == (len(rows), crc):
+            m.index = dict(have)
+        else:
+            self.lease.check()
+            if stored.get("consolidated", False):  # never an index that disagrees with a consolidated root
+                self._mark()
+            m.index = self.store.write_index(rows)
         attrs = m.to_dict()
-        if json.loads(json.dumps(attrs)) != self.store.root_attrs():  # a no-op rerun writes nothing
+        if json.loads(json.dumps(m.stored_dict())) != stored:
             self.lease.check()
             self.store.write_manifest(m)
         return attrs

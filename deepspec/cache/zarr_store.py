@@ -10,10 +10,12 @@ import numpy as np
 import zarr
 
 from deepspec.cache.backend import PART_NAME, ArrayLayout, ArraySpec, CacheStore, Manifest, PartEntry
-from deepspec.cache.format import BLOSC, FORMAT, CacheFormatError, inner_codecs
+from deepspec.cache.format import BLOSC, FORMAT, INDEX_COLUMNS, CacheFormatError, inner_codecs
 from deepspec.cache.store import PartConflict, fsync_path, fsync_tree, local_path, open_root, open_store
 
 log = logging.getLogger(__name__)
+
+INDEX_ARRAY = "index"  # the consolidated per-sample index, uint64 [samples, 4], one chunk (§3.1)
 
 
 def encode_shard(data: np.ndarray, chunk_rows: int, codec: str) -> bytes:
@@ -50,7 +52,7 @@ def encode_shard(data: np.ndarray, chunk_rows: int, codec: str) -> bytes:
 
 class ZarrStore(CacheStore):
     kind = "zarr"
-    layout_entries = frozenset({"zarr.json", "parts"})
+    layout_entries = frozenset({"zarr.json", "parts", INDEX_ARRAY})
 
     def __init__(self, url: str, storage_options: dict | None = None, writable: bool = False):
         super().__init__(url, storage_options, writable)
@@ -74,7 +76,36 @@ class ZarrStore(CacheStore):
         return dict(self.root.attrs)
 
     def write_manifest(self, manifest: Manifest) -> None:
-        self.root.attrs.put(manifest.to_dict())
+        self.root.attrs.put(manifest.stored_dict())
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        from zarr.abc.store import RangeByteRequest
+        from zarr.core.buffer import default_buffer_prototype
+        from zarr.core.sync import sync
+
+        buf = sync(self.root.store.get(key, prototype=default_buffer_prototype(),
+                                       byte_range=RangeByteRequest(start, end)))
+        if buf is None:
+            raise CacheFormatError(f"{self.url}: {key} is missing")
+        data = buf.to_bytes()
+        if len(data) != end - start:
+            raise CacheFormatError(f"{self.url}: {key}: short read ({len(data)} of {end - start} bytes at {start})")
+        return data
+
+    def write_index(self, rows: np.ndarray) -> dict:
+        """The index is an ordinary single-shard array `index` at the root whose only chunk is the
+        whole array, so its rows are bytes [0, 32 n) of `index/c/0/0`."""
+        from crc32c import crc32c
+
+        rows = np.ascontiguousarray(rows, dtype="<u8").reshape(-1, 4)
+        self._delete(INDEX_ARRAY)
+        self._array(self.root, INDEX_ARRAY, rows, max(len(rows), 1))
+        if not self.remote:
+            path = local_path(self.url)
+            fsync_tree(path / INDEX_ARRAY)
+            fsync_path(path)
+        return {"key": f"{INDEX_ARRAY}/c/0/0", "offset": 0, "nbytes": int(rows.nbytes),
+                "crc32c": crc32c(rows.tobytes()), "samples": len(rows), "columns": list(INDEX_COLUMNS)}
 
     # ---- listing, debris, damage -------------------------------------------------------------
     def _list(self, prefix: str, store=None) -> list[str]:
@@ -176,6 +207,7 @@ class ZarrStore(CacheStore):
 
     def delete_all(self) -> None:
         self._delete("parts")
+        self._delete(INDEX_ARRAY)
         self._delete("zarr.json")
         self._root = None
 
@@ -196,7 +228,7 @@ class ZarrStore(CacheStore):
         group.create_array(name, shape=data.shape, dtype=data.dtype, chunks=chunks, shards=shards,
                            serializer=codecs[0], compressors=codecs[1:], fill_value=0,
                            config={"write_empty_chunks": True})
-        key = f"{group.path}/{name}/c/" + "/".join("0" for _ in data.shape)
+        key = f"{group.path}/{name}/c/".lstrip("/") + "/".join("0" for _ in data.shape)
         blob = encode_shard(data, chunks[0], codec)
         sync(self.root.store.set(key, default_buffer_prototype().buffer.from_bytes(blob)))
 
@@ -219,7 +251,7 @@ class ZarrStore(CacheStore):
             for p in (path / "parts" / "zarr.json", path / "parts", path):
                 fsync_path(p)
         lease.check()  # never commit over the parts of a job that took the store over
-        group.attrs.put(attrs)
+        group.attrs.put(attrs)  # the commit record: O(samples of this part) bytes, nothing at the root
         return PartEntry(name, attrs["samples"], attrs["tokens"])
 
     # ---- reading -----------------------------------------------------------------------------

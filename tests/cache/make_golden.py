@@ -1,10 +1,12 @@
-"""Writes the golden v1 stores under tests/data/golden/ (checked in; read by tests/cache/test_golden.py).
+"""Writes the golden stores under tests/data/golden/ (checked in; read by tests/cache/test_golden.py).
 
     python -m tests.cache.make_golden
 
-Rerun only when the format version changes: the point of the fixtures is that they were written by
-an earlier writer, so a reader change that misreads existing stores fails. Values come from
-`golden_parts()`, which the test recomputes: numpy's PCG64 with fixed seeds, no torch randomness.
+Writes the stores of the current format version only (STORES_V2 now); the v1 stores (STORES) were
+written by the v1 writer (commit 8a04f09 and before) and are never rewritten. Rerun only when the
+format version changes: the point of the fixtures is that they were written by an earlier writer,
+so a reader change that misreads existing stores fails. Values come from `golden_parts()`, which
+the test recomputes: numpy's PCG64 with fixed seeds, no torch randomness.
 """
 import shutil
 from pathlib import Path
@@ -17,6 +19,9 @@ LAYERS = [-1, 1]
 # (store dir, storage, dtype, codec)
 STORES = [("zarr-bf16", "zarr", "bfloat16", "none"), ("zarr-fp8-zstd", "zarr", "fp8", "blosc-zstd"),
           ("hdf5-bf16", "hdf5", "bfloat16", "none"), ("hdf5-fp8-zstd", "hdf5", "fp8", "blosc-zstd")]
+# format version 2: consolidated manifest + index array / index.h5, commit records with lengths/ids
+STORES_V2 = [("v2-zarr-bf16", "zarr", "bfloat16", "none"), ("v2-hdf5-fp8-zstd", "hdf5", "fp8", "blosc-zstd")]
+VERSION = {**{s[0]: 1 for s in STORES}, **{s[0]: 2 for s in STORES_V2}}
 
 
 def golden_values(seed: int, lengths: list[int]) -> dict:
@@ -60,7 +65,11 @@ def manifest(storage: str, dtype: str, codec: str) -> dict:
 def main() -> None:
     from deepspec.cache.writer import CacheWriter
 
-    for name, storage, dtype, codec in STORES:
+    from deepspec.cache.format import FORMAT_VERSION
+
+    for name, storage, dtype, codec in STORES + STORES_V2:
+        if VERSION[name] != FORMAT_VERSION:
+            continue  # written by an earlier writer: never rewritten
         dst = GOLDEN / name
         shutil.rmtree(dst, ignore_errors=True)
         with CacheWriter(str(dst), manifest(storage, dtype, codec)) as w:

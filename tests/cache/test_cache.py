@@ -103,7 +103,8 @@ def test_rerun_is_a_no_op_and_growth_appends_parts(tmp_path, trained_target):
     workdir(tmp_path, trained_target, regen_rows())  # the source grew
     build(work, part_tokens=200)
     after = array_hashes(url)
-    assert all(after[k] == v for k, v in before.items())  # nothing rewritten
+    # no part array rewritten (the consolidated index, index/c/0/0, grows with the store)
+    assert all(after[k] == v for k, v in before.items() if k.startswith("parts"))
     reader = CacheReader(url)
     assert [p["name"] for p in reader.manifest["parts"]][:len(parts_before)] == parts_before
     assert len(reader) == len(regen_rows())

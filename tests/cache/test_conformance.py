@@ -146,7 +146,7 @@ def test_an_interrupted_writer_resumes_to_a_byte_identical_store(where, tmp_path
 
     def dying():
         calls.append(1)
-        if len(calls) == 8:  # the third part's commit (per part: start, commit, manifest)
+        if len(calls) == 6:  # the third part's commit (per part: start, commit; the root is not touched)
             raise KeyboardInterrupt("killed")
         return real()
 
@@ -167,15 +167,17 @@ def test_an_interrupted_writer_resumes_to_a_byte_identical_store(where, tmp_path
     expect_equal(CacheReader(url, options), parts)
 
 
-def test_growth_adds_parts_and_changes_nothing_but_the_manifest(where):
+def test_growth_adds_parts_and_changes_nothing_but_the_manifest_and_index(where):
     kind, url, options = where
     write(where, [make_part("p000000", 1), make_part("p000001", 2)])
     before = files(url, options)
     write(where, [make_part("p000002", 3)])
     after = files(url, options)
     changed = {k for k in before if after.get(k) != before[k]}
-    assert changed == {k for k in before if k.endswith(("/zarr.json", "/manifest.json")) and k.count("/") == 1}
-    assert len(changed) == 1
+    root = {k for k in before if k.endswith(("/zarr.json", "/manifest.json")) and k.count("/") == 1}
+    index = {k for k in before if k.startswith(("/index/", "/index.h5"))}
+    assert len(root) == 1 and index and changed == root | index
+    assert not any(k.startswith("/parts/") for k in changed)
     assert len(CacheReader(url, options)) == 9
 
 
@@ -270,7 +272,8 @@ def test_debris_of_a_killed_writer_is_pruned(where):
     (root / f"root.{uuid.uuid4().hex}.partial").write_text("")
     (root / "parts" / f"p000001.{uuid.uuid4().hex}.partial").write_bytes(b"\0" * 100)
     (root / "parts" / "notes").mkdir()
-    CacheWriter(url, manifest(kind), options).release()
+    with CacheWriter(url, manifest(kind), options):
+        pass  # opened (debris pruned), nothing written, consolidated again on close
     assert files(url, options) == clean
 
 
@@ -292,8 +295,8 @@ def test_the_manifest_is_typed_and_keeps_unknown_keys(where):
     assert isinstance(m.parts[0], PartEntry) and m.parts[0].tokens == int(make_part("p000000", 1).lengths.sum())
     assert m.extra == {"imported_from": {"format": "x"}} and m["imported_from"] == {"format": "x"}
     assert Manifest.from_dict(m.to_dict()) == m
-    with pytest.raises(CacheFormatError, match="format_version 2 is not supported"):
-        Manifest.from_dict(dict(m.to_dict(), format_version=2))
+    with pytest.raises(CacheFormatError, match="format_version 3 is not supported"):
+        Manifest.from_dict(dict(m.to_dict(), format_version=3))
 
 
 def test_reading_a_layer_that_is_not_cached_names_it(where):
@@ -317,3 +320,122 @@ def test_a_sample_spanning_more_chunks_than_one_preadv_takes_reads_back(where):
                     rng.integers(0, 4096, size=t).astype(np.int32), rng.integers(0, 2, size=t).astype(np.uint8), hidden)
     write(where, [part], chunk_tokens=1, max_length=t)
     expect_equal(CacheReader(where[1], where[2], fast=True, verify=True), [part])
+
+
+# ---- format v2: O(1) commits, consolidation, O(1) opens ----------------------------------------
+
+def moto_requests(moto, bucket: str) -> list[str]:
+    """The request lines moto_server logged for one bucket ("PUT /bucket/key", ...): counted at the
+    real server, not inside the client."""
+    import re
+    import time
+
+    time.sleep(0.2)  # the server logs after it answers
+    text = Path(moto.log.name).read_text(errors="replace")
+    return re.findall(rf'"([A-Z]+ /{bucket}[^ "]*)', text)
+
+
+def root_writes(where, request) -> callable:
+    """A probe of how often the root manifest and the index were written since the last call."""
+    kind, url, options = where
+    names = ("zarr.json", "index/") if kind == "zarr" else ("manifest.json", "index.h5")
+    if url.startswith("s3://"):
+        moto = request.getfixturevalue("moto")
+        bucket = url[5:].split("/")[0]
+        seen = [len(moto_requests(moto, bucket))]
+
+        def probe():
+            lines = moto_requests(moto, bucket)
+            new, seen[0] = lines[seen[0]:], len(lines)
+            return sum(1 for ln in new if ln.startswith(("PUT", "POST", "DELETE"))
+                       and any(ln.split("?")[0].endswith(f"/store/{n}") or f"/store/{n}" in ln for n in names))
+        return probe
+
+    def stamp():
+        out = {}
+        for n in names:
+            p = Path(url) / n.rstrip("/")
+            for f in ([p] if p.is_file() else sorted(p.rglob("*")) if p.exists() else []):
+                st = f.stat()
+                out[str(f)] = (st.st_ino, st.st_mtime_ns, st.st_size)
+        return out
+
+    last = [stamp()]
+
+    def probe():
+        now = stamp()
+        changed = sum(1 for k in set(now) | set(last[0]) if now.get(k) != last[0].get(k))
+        last[0] = now
+        return changed
+    return probe
+
+
+def test_a_commit_writes_nothing_at_the_root_and_consolidation_writes_it_once(where, request):
+    """Committing a part costs O(1) bytes: the root manifest (O(parts) bytes) and the index are not
+    touched by any commit, however many parts exist; closing consolidates them once."""
+    import time
+
+    kind, url, options = where
+    with CacheWriter(url, manifest(kind), options) as w:
+        probe = root_writes(where, request)
+        for i in range(6):  # through the writer thread, as the cache stage writes
+            w.submit(make_part(f"p{i:06d}", i + 1, samples=2))
+        deadline = time.time() + 60
+        while len(w.committed_parts()) < 6 and time.time() < deadline:
+            time.sleep(0.1)
+        assert len(w.committed_parts()) == 6
+        assert probe() == 0, "a part commit rewrote the root manifest or the index"
+    assert probe() >= 1  # the consolidation on close
+    reader = CacheReader(url, options)
+    assert reader.manifest.consolidated and reader.manifest.index["samples"] == 12 and len(reader) == 12
+    with CacheWriter(url, manifest(kind), options) as w:  # growth: again nothing at the root per commit
+        probe()
+        w.write_part(make_part("p000006", 7, samples=2))  # the first commit of a run marks the root once
+        assert probe() <= 1 and not CacheReader(url, options).manifest.consolidated
+        for i in (7, 8):
+            w.write_part(make_part(f"p{i:06d}", i + 1, samples=2))
+            assert probe() == 0
+    assert len(CacheReader(url, options)) == 18
+
+
+def test_a_store_never_consolidated_opens_by_listing_and_resumes(where):
+    """A writer killed after committing parts (never consolidated) leaves a store that opens, by
+    listing its committed parts, and whose resume finds them; the next close consolidates."""
+    kind, url, options = where
+    parts = [make_part(f"p{i:06d}", i + 1) for i in range(3)]
+    w = CacheWriter(url, manifest(kind), options)
+    for p in parts[:2]:
+        w.write_part(p)
+    w.release()  # killed: no close, no consolidation
+    reader = CacheReader(url, options)
+    assert not reader.manifest.consolidated and reader.manifest.index is None
+    assert [p.name for p in reader.manifest.parts] == ["p000000", "p000001"]
+    expect_equal(reader, parts[:2])
+    assert verify(url, options)["ok"]
+    with CacheWriter(url, manifest(kind), options) as w:
+        assert sorted(w.committed_parts()) == ["p000000", "p000001"]
+        assert w.committed_sample_ids() == {int(i) for p in parts[:2] for i in p.sample_ids}
+        w.submit(parts[2])
+    reader = CacheReader(url, options)
+    assert reader.manifest.consolidated and reader.manifest.index["samples"] == 9
+    expect_equal(reader, parts)
+
+
+def test_opening_a_store_costs_the_same_requests_whatever_its_parts(where, request):
+    """On S3 a reader opens a consolidated store with a constant number of requests (root metadata
+    and the index), counted at the moto server: the same for 2 parts and for 12."""
+    if not where[1].startswith("s3://"):
+        pytest.skip("requests are counted at the S3 server")
+    kind, url, options = where
+    moto = request.getfixturevalue("moto")
+    counts = {}
+    for n in (2, 12):
+        bucket = f"open-{uuid.uuid4().hex[:12]}"
+        moto.bucket(bucket)
+        store = f"s3://{bucket}/store"
+        write((kind, store, options), [make_part(f"p{i:06d}", i + 1, samples=2) for i in range(n)])
+        before = len(moto_requests(moto, bucket))
+        reader = CacheReader(store, options)
+        assert len(reader) == 2 * n and reader.sample_id(2 * n - 1) == 1000 * n + 2
+        counts[n] = len(moto_requests(moto, bucket)) - before
+    assert counts[2] == counts[12] and counts[2] <= 8, counts

@@ -1,5 +1,6 @@
-"""Golden v1 stores of every backend, written once by tests/cache/make_golden.py and checked in:
-a reader change that misreads a store written by an earlier writer fails here."""
+"""Golden stores of every backend, written once by tests/cache/make_golden.py and checked in (v1 by
+the v1 writer, v2 by the v2 writer): a reader change that misreads a store written by an earlier
+writer fails here."""
 import shutil
 
 import numpy as np
@@ -10,10 +11,10 @@ from deepspec.cache.format import decode_hidden
 from deepspec.cache.reader import CacheReader
 from deepspec.cache.verify import info, verify
 from deepspec.loader.dataset import TargetCacheDataset
-from tests.cache.make_golden import GOLDEN, LAYERS, PARTS, SAMPLE_IDS, STORES, golden_values
+from tests.cache.make_golden import GOLDEN, LAYERS, PARTS, SAMPLE_IDS, STORES, STORES_V2, VERSION, golden_values
 
 
-@pytest.mark.parametrize("name,storage,dtype,codec", STORES)
+@pytest.mark.parametrize("name,storage,dtype,codec", STORES + STORES_V2)
 @pytest.mark.parametrize("fast", [True, False])
 def test_golden_store_reads_back_the_values_it_was_written_with(name, storage, dtype, codec, fast):
     url = str(GOLDEN / name)
@@ -21,6 +22,8 @@ def test_golden_store_reads_back_the_values_it_was_written_with(name, storage, d
     m = reader.manifest
     assert (m.storage, m.dtype, m.codec, m.layers, m.hidden_size) == (storage, dtype, codec, LAYERS, 8)
     assert [p.name for p in m.parts] == [p[0] for p in PARTS] and m.num_samples == 3
+    assert m.format_version == VERSION[name] and m.consolidated
+    assert (m.index is not None) == (VERSION[name] == 2)  # v1: offsets/sample ids read part by part
     ds = TargetCacheDataset(url, fast=fast)
     k = 0
     for part, seed, lengths in PARTS:
@@ -46,9 +49,31 @@ def test_golden_store_reads_back_the_values_it_was_written_with(name, storage, d
     assert k == len(ds)
 
 
-@pytest.mark.parametrize("name,storage,dtype,codec", STORES)
+@pytest.mark.parametrize("name,storage,dtype,codec", STORES + STORES_V2)
 def test_golden_store_verifies_and_reports(name, storage, dtype, codec, tmp_path):
     url = str(tmp_path / name)
     shutil.copytree(GOLDEN / name, url)  # verify reads only, but keep the checked-in files untouched
     assert verify(url)["ok"]
     assert info(url)["storage"] == storage and info(url)["samples"] == 3
+
+
+@pytest.mark.parametrize("name", ["zarr-bf16", "hdf5-fp8-zstd"])
+def test_a_v1_store_derives_into_a_v2_store_with_the_same_samples(name, tmp_path):
+    """format_version is content (§8): a v2 writer never adds parts to a v1 store; the cache stage
+    derives the v2 store from it instead (hard links for Zarr, nothing recomputed)."""
+    from deepspec.cache.derive import derive_store
+
+    src = str(tmp_path / name)
+    shutil.copytree(GOLDEN / name, src)
+    out = derive_store(src, str(tmp_path / "v2"))
+    a, b = CacheReader(src), CacheReader(str(tmp_path / "v2"))
+    assert a.manifest.format_version == 1 and b.manifest.format_version == 2 and b.manifest.index is not None
+    assert out["parts_derived"] == 2 and list(a.sample_ids()) == list(b.sample_ids())
+    assert np.array_equal(a.lengths(), b.lengths())
+    if name.startswith("zarr"):
+        assert out["method"] == ["hardlink"]
+    for k in range(len(a)):
+        x, y = a.read(k), b.read(k)
+        assert all(np.array_equal(x[f], y[f]) for f in ("input_ids", "loss_mask"))
+        for layer in [*LAYERS, "last"]:
+            assert np.array_equal(x[layer][0], y[layer][0])

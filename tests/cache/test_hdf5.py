@@ -41,7 +41,7 @@ def test_part_files_open_with_plain_h5py_and_every_dataset_equals_the_loader(h5_
 
     reader = CacheReader(str(h5_cache))
     assert reader.storage == "hdf5"
-    assert sorted(os.listdir(h5_cache)) == ["manifest.json", "parts"]
+    assert sorted(os.listdir(h5_cache)) == ["index.h5", "manifest.json", "parts"]
     assert sorted(os.listdir(h5_cache / "parts")) == [f"{p}.h5" for p in reader.parts]
     for p, name in enumerate(reader.parts):
         with h5py.File(h5_cache / "parts" / f"{name}.h5", "r") as f:
@@ -103,7 +103,7 @@ def test_hdf5_on_s3_is_one_object_per_part_and_reads_back(h5_cache, moto):
     convert(str(h5_cache), url, storage="hdf5", dst_storage_options=moto.storage_options)
     keys = sorted(o["Key"] for o in moto.client().list_objects_v2(Bucket=bucket)["Contents"])
     parts = CacheReader(str(h5_cache)).parts
-    assert keys == ["store/manifest.json"] + [f"store/parts/{p}.h5" for p in parts]
+    assert keys == ["store/index.h5", "store/manifest.json"] + [f"store/parts/{p}.h5" for p in parts]
     same_samples(str(h5_cache), url, moto.storage_options)
     assert verify(url, moto.storage_options)["ok"]
 
