@@ -50,5 +50,5 @@ def test_exp_run_cache_format_hdf5_reruns_only_cache_and_later(project, trained_
     manifest = json.loads((project / "data/cache/manifest.json").read_text())
     assert manifest["storage"] == "hdf5" and manifest["num_tokens"] == base["num_tokens"]
     metrics = json.loads((project / "data/cache/metrics.json").read_text())
-    assert metrics["files"] == 1 + len(base["parts"])
+    assert metrics["files"] == 2 + len(base["parts"])  # manifest.json, index.h5, one .h5 per part
     assert "hdf5" in dvc("exp", "show", "--csv")
