@@ -5,10 +5,18 @@ several times slower than reading the same bytes from a flat file. The fast path
 Zarr v3 format: it caches each shard's index, reads a sample's contiguous chunk range with one
 `os.pread` (local) or one range request (fsspec), checks every chunk's crc32c and decodes with the
 array's own codec chain. Layouts it does not recognise are read through zarr-python instead.
+
+Checking costs about half as much CPU as reading the bytes from the page cache (crc32c ~9 GB/s,
+a page-cache copy ~4 GB/s on one core), so done in the reading thread it takes a third of a local
+read. With `check_threads` the checks of uncompressed local arrays run on a small thread pool
+(the crc32c package releases the GIL for large buffers): inside `ShardReader.deferred()` an array's
+checks overlap the read of the next array, and the block's exit waits for them and raises the
+first mismatch, so nothing unchecked leaves a `CacheReader.read` or a dataset item.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import time
@@ -26,6 +34,11 @@ MAX_OPEN_FILES = 256
 EMPTY = 2**64 - 1  # shard index marker of a chunk that was never written
 
 # A single preadv takes at most IOV_MAX buffers (1,024 on Linux); a read of more chunks is split.
+# Bytes of chunks one checksum-thread task checks: big enough that the task's overhead (a queue put,
+# a thread wake-up, the GIL taken twice) is small next to the crc32c (~0.2 ms), small enough that the
+# last array of a sample splits across the threads.
+CHECK_BYTES = 2 << 20
+
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
@@ -137,9 +150,12 @@ class _Files:
 class ShardReader:
     """Row ranges of single-shard arrays, read and checked without zarr-python on the hot path."""
 
-    def __init__(self, files: _Files, verify: bool = True, strict: bool = False):
+    def __init__(self, files: _Files, verify: bool = True, strict: bool = False, check_threads: int = 0):
         self.files = files
         self.verify = verify
+        self.check_threads = check_threads
+        self._pool = None       # created on first use, in the process that reads
+        self._pending = None    # futures of checks still running, while a deferred() block is open
         # strict (`deepspec cache verify`): an HDF5 chunk's own Fletcher-32 is checked as well as
         # the crc32c recorded for it in the chunk table
         self.strict = strict
@@ -228,7 +244,8 @@ class ShardReader:
         (rows of the first/last chunk outside the range, the checksum trailers and any bytes
         between two chunks (`gaps`) go to scratch),
         then every chunk's crc32c is computed over exactly the bytes the file holds and compared
-        with its trailer (Zarr) or with the chunk table's crc32c (HDF5, whose trailer is Fletcher-32)."""
+        with its trailer (Zarr) or with the chunk table's crc32c (HDF5, whose trailer is Fletcher-32):
+        in this thread, or on the checksum threads in tasks of about CHECK_BYTES."""
         C = layout.chunk_rows
         row_bytes = layout.row_bytes
         dst = memoryview(out.reshape(-1).view(np.uint8))
@@ -261,16 +278,75 @@ class ShardReader:
         got = _preadv_all(self.files._fd(layout.key), iov, base)
         if got != want:
             raise CacheFormatError(f"{layout.key}: short read ({got} of {want} bytes at {base})")
-        if self.verify:
-            for k, parts in enumerate(spans):
-                crc = 0
-                for p in parts:  # the first/last chunk is split between scratch and `out`
-                    crc = _crc32c(p, crc)
-                want = int(layout.crcs[c0 + k]) if layout.crcs is not None else \
-                    int.from_bytes(crcs[4 * k:4 * k + 4], "little")
-                if crc != want:
-                    raise ChecksumError(f"{layout.name or layout.key}: chunk {c0 + k} checksum mismatch (corrupt bytes)")
+        if not self.verify:
+            return out
+        if not self.check_threads or want < CHECK_BYTES // 8:  # a thread's overhead is not worth it for a few KB
+            self._check_chunks(layout, c0, spans, crcs, 0, len(spans))
+            return out
+        step = max(1, CHECK_BYTES // (C * row_bytes + 4))
+        jobs = [(layout, c0, spans, crcs, k, min(k + step, len(spans))) for k in range(0, len(spans), step)]
+        pending = [(self._checker().submit(self._check_chunks, *job, 1), job) for job in jobs]
+        if self._pending is not None:
+            self._pending.extend(pending)
+        else:
+            self._settle(pending)
         return out
+
+    def _check_chunks(self, layout: ArrayLayout, c0: int, spans: list, crcs: bytearray, k0: int, k1: int,
+                      gil_release_mode: int = -1) -> None:
+        """Chunks k0..k1-1 of a `_scatter` read: crc32c over exactly the bytes the file holds."""
+        for k in range(k0, k1):
+            crc = 0
+            for p in spans[k]:  # the first/last chunk is split between scratch and `out`
+                crc = _crc32c(p, crc, gil_release_mode)
+            want = int(layout.crcs[c0 + k]) if layout.crcs is not None else \
+                int.from_bytes(crcs[4 * k:4 * k + 4], "little")
+            if crc != want:
+                raise ChecksumError(f"{layout.name or layout.key}: chunk {c0 + k} checksum mismatch (corrupt bytes)")
+
+    def set_check_threads(self, n: int) -> None:
+        if n != self.check_threads:
+            self.check_threads, self._pool = n, None  # an idle old pool's threads end with it
+
+    def _checker(self):
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(self.check_threads, thread_name_prefix="crc32c")
+        return self._pool
+
+    def _settle(self, pending: list) -> None:
+        """Wait for checks in read order; a check no thread has started yet runs here, so the
+        waiting thread works too. Raises the first mismatch in read order."""
+        first = None
+        for future, job in pending:
+            try:
+                if future.cancel():
+                    self._check_chunks(*job)
+                else:
+                    future.result()
+            except ChecksumError as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Checks of the arrays read inside the block may still be running when a read returns; the
+        block's exit waits for all of them and raises the first mismatch. Nested blocks join the outer one."""
+        if self._pending is not None or not (self.verify and self.check_threads):
+            yield
+            return
+        self._pending = []
+        try:
+            yield
+        except BaseException:
+            pending, self._pending = self._pending, None
+            for future, _ in pending:
+                future.cancel()
+            raise
+        pending, self._pending = self._pending, None
+        self._settle(pending)
 
 
 class CacheReader:
@@ -278,7 +354,11 @@ class CacheReader:
     backend holds it (backend.open_cache).
 
     Picklable and fork-safe: the store is opened lazily in whichever process first reads.
+    `check_threads` (set_check_threads): threads that check crc32c of local reads, 0 = in the
+    reading thread.
     """
+
+    check_threads: int = min(4, os.cpu_count() or 1)
 
     def __init__(self, url: str, storage_options: dict | None = None, expect: dict | None = None,
                  verify: bool = True, fast: bool = True, cache_dir: str | None = None):
@@ -318,7 +398,7 @@ class CacheReader:
         pid = os.getpid()
         if self._state is None or self._state[0] != pid:
             files = _Files(self.url, self.storage_options, self.cache_dir)
-            self._state = (pid, self.store, files, ShardReader(files, self.verify), {})
+            self._state = (pid, self.store, files, ShardReader(files, self.verify, check_threads=self.check_threads), {})
         return self._state
 
     def lengths(self) -> np.ndarray:
@@ -369,13 +449,25 @@ class CacheReader:
         if missing:
             raise CacheFormatError(f"layers {missing} are not in this cache (cached layers: {self.layers})")
         out: dict = {}
-        for f in ("input_ids", "loss_mask"):
-            if f in fields:
-                out[f] = self.read_array(part, f, start, stop)
-        names = ([(i, i) for i in layers] if "hidden" in fields else []) + \
-                ([("last", "last")] if "last_hidden" in fields else [])
-        for key, layer in names:
-            bits = self.read_array(part, hidden_name(layer), start, stop)
-            scale = self.read_array(part, scale_name(layer), start, stop) if self.dtype != "bfloat16" else None
-            out[key] = (bits, scale)
+        with self.checked():
+            for f in ("input_ids", "loss_mask"):
+                if f in fields:
+                    out[f] = self.read_array(part, f, start, stop)
+            names = ([(i, i) for i in layers] if "hidden" in fields else []) + \
+                    ([("last", "last")] if "last_hidden" in fields else [])
+            for key, layer in names:
+                bits = self.read_array(part, hidden_name(layer), start, stop)
+                scale = self.read_array(part, scale_name(layer), start, stop) if self.dtype != "bfloat16" else None
+                out[key] = (bits, scale)
         return out
+
+    def set_check_threads(self, n: int) -> None:
+        """Threads checking crc32c of local reads from now on (0: in the reading thread)."""
+        self.check_threads = n
+        if self._state is not None:  # the open-time reads already made this process's shard reader
+            self._state[3].set_check_threads(n)
+
+    def checked(self):
+        """A block of reads whose checksums run alongside the next reads and are all settled (a
+        ChecksumError raised) when the block exits; arrays read inside are not to be used before."""
+        return self._process_state()[3].deferred()

@@ -26,13 +26,15 @@ FIELDS = ("input_ids", "loss_mask", "hidden", "last_hidden")
 class TargetCacheDataset(Dataset):
     def __init__(self, url: str, layers: list[int] | None = None, fields: tuple[str, ...] = FIELDS,
                  storage_options: dict | None = None, cache_dir: str | None = None, verify: bool = True,
-                 expect: dict | None = None, fast: bool = True):
+                 expect: dict | None = None, fast: bool = True, check_threads: int | None = None):
         unknown = [f for f in fields if f not in FIELDS]
         if unknown:
             raise ValueError(f"unknown fields {unknown} (known: {list(FIELDS)})")
         self.url = url
         self.reader = CacheReader(url, storage_options, expect=expect, verify=verify, fast=fast,
                                   cache_dir=cache_dir)
+        if check_threads is not None:  # threads checking crc32c of local reads (CacheReader.check_threads)
+            self.reader.set_check_threads(check_threads)
         cached = self.reader.layers
         self.layers = list(cached if layers is None else layers)
         missing = [i for i in self.layers if i not in cached]
@@ -70,12 +72,13 @@ class TargetCacheDataset(Dataset):
     def __getitem__(self, index: int) -> dict:
         part, start, stop = self.reader.locate(index)
         item: dict = {"sample_id": int(self.reader.sample_id(index))}
-        if "input_ids" in self.fields:
-            item["input_ids"] = torch.from_numpy(self.reader.read_array(part, "input_ids", start, stop))
-        if "loss_mask" in self.fields:
-            item["loss_mask"] = torch.from_numpy(self.reader.read_array(part, "loss_mask", start, stop))
-        if "hidden" in self.fields:
-            item["hidden"] = self._hidden(part, start, stop, self.layers)
-        if "last_hidden" in self.fields:
-            item["last_hidden"] = self._hidden(part, start, stop, ["last"])[0]
+        with self.reader.checked():  # every array's checks settled before the item is handed out
+            if "input_ids" in self.fields:
+                item["input_ids"] = torch.from_numpy(self.reader.read_array(part, "input_ids", start, stop))
+            if "loss_mask" in self.fields:
+                item["loss_mask"] = torch.from_numpy(self.reader.read_array(part, "loss_mask", start, stop))
+            if "hidden" in self.fields:
+                item["hidden"] = self._hidden(part, start, stop, self.layers)
+            if "last_hidden" in self.fields:
+                item["last_hidden"] = self._hidden(part, start, stop, ["last"])[0]
         return item

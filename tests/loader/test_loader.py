@@ -115,6 +115,36 @@ def test_corrupted_chunk_raises_naming_it(tmp_path):
     assert TargetCacheDataset(url, layers=[3])[0]  # the damage is confined to the corrupted array
 
 
+def test_checks_on_checksum_threads_match_and_still_catch_a_flipped_bit(tmp_path, monkeypatch):
+    """The threaded path (check_threads > 0, tasks of CHECK_BYTES): same values as checking inline,
+    and a corrupt chunk raises from the item (never handed out), naming array and chunk, even when
+    the damaged array's checks are still running while later arrays of the sample are read."""
+    import threading
+
+    import deepspec.cache.reader as reader_mod
+
+    monkeypatch.setattr(reader_mod, "CHECK_BYTES", 2 * (16 * H * 2 + 4))  # two chunks a task at H = 24
+    parts = synthetic_parts(parts=2)
+    url = write_store(str(tmp_path / "c.zarr"), parts)
+    check_round_trip(TargetCacheDataset(url, check_threads=3), parts, "bfloat16")
+    assert any(t.name.startswith("crc32c") for t in threading.enumerate())  # the checks ran on the pool
+    shard = Path(url) / "parts" / "p000001" / "hidden" / "3" / "c" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    data[3 * (16 * H * 2 + 4) + 7] ^= 0x10  # one bit inside chunk 3
+    shard.write_bytes(bytes(data))
+    ds = TargetCacheDataset(url, check_threads=3)
+    with pytest.raises(ChecksumError, match=r"parts/p000001/hidden/3/c/0/0: chunk 3 checksum mismatch"):
+        for i in range(len(ds)):
+            ds[i]
+    reader = ds.reader
+    with pytest.raises(ChecksumError, match=r"p000001/hidden/3/c/0/0: chunk 3 checksum mismatch"):
+        for i in range(int(reader.part_start[1]), len(reader)):
+            reader.read(i)
+    with pytest.raises(ChecksumError, match="chunk 3 checksum mismatch"):  # one array read outside a sample too
+        reader.read_array(1, "hidden/3", 0, int(reader._offsets[1][-1]))
+    assert TargetCacheDataset(url, layers=[7], check_threads=3)[len(ds) - 1]  # other arrays read fine
+
+
 def test_s3_round_trip_with_and_without_local_cache(tmp_path, moto):
     bucket = moto.bucket("loader-rt")
     parts = synthetic_parts()
