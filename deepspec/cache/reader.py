@@ -93,7 +93,7 @@ class _Files:
     """Byte-range access to store keys: pread on local files (an LRU of open fds), fsspec otherwise."""
 
     def __init__(self, url: str, storage_options: dict | None, cache_dir: str | None = None,
-                 retries: int = 3):
+                 retries: int = 3, connections: int = 0):
         self.url = url.rstrip("/")
         self.remote = is_remote(url)
         self.retries = retries
@@ -102,7 +102,13 @@ class _Files:
         if self.remote:
             import fsspec
 
-            fs, self.root = fsspec.core.url_to_fs(url, **storage_options_for(url, storage_options))
+            options = storage_options_for(url, storage_options)
+            if url.startswith("s3://") and connections > 10:
+                # botocore's connection pool (10 by default) would cap the requests in flight
+                config = dict(options.get("config_kwargs") or {})
+                config.setdefault("max_pool_connections", connections)
+                options["config_kwargs"] = config
+            fs, self.root = fsspec.core.url_to_fs(url, **options)
             if cache_dir:  # fsspec's own block cache: byte ranges are kept on local disk
                 fs = fsspec.filesystem("blockcache", fs=fs, cache_storage=cache_dir)
             self.fs = fs
@@ -134,11 +140,48 @@ class _Files:
                 except OSError:  # transient network/storage errors; s3fs maps most to OSError
                     if attempt == self.retries:
                         raise
-                    time.sleep(0.2 * 2 ** attempt)
+                    time.sleep(self._backoff(attempt))
         data = os.pread(self._fd(key), end - start, start)
         if len(data) != end - start:
             raise CacheFormatError(f"{key}: short read ({len(data)} of {end - start} bytes at {start})")
         return data
+
+    @staticmethod
+    def _backoff(attempt: int) -> float:
+        return 0.2 * 2 ** attempt
+
+    def read_ranges(self, ranges: list[tuple[str, int, int]], in_flight: int) -> list[bytes]:
+        """Many (key, start, end) ranges, up to `in_flight` requests at a time, each with read()'s
+        retry rule. An async filesystem (s3fs, ...) runs them as coroutines on its own event loop;
+        any other (the block cache, local files) on threads."""
+        if not self.remote or in_flight <= 1 or len(ranges) <= 1:
+            return [self.read(*r) for r in ranges]
+        if not getattr(self.fs, "async_impl", False):
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(in_flight, len(ranges))) as pool:
+                return list(pool.map(lambda r: self.read(*r), ranges))
+        import asyncio
+
+        from fsspec.asyn import sync
+
+        async def fetch(gate, key: str, start: int, end: int) -> bytes:
+            async with gate:
+                for attempt in range(self.retries + 1):
+                    try:
+                        return await self.fs._cat_file(f"{self.root}/{key}", start=start, end=end)
+                    except FileNotFoundError:
+                        raise
+                    except OSError:
+                        if attempt == self.retries:
+                            raise
+                        await asyncio.sleep(self._backoff(attempt))
+
+        async def gather() -> list[bytes]:
+            gate = asyncio.Semaphore(in_flight)
+            return await asyncio.gather(*(fetch(gate, *r) for r in ranges))
+
+        return sync(self.fs.loop, gather)
 
     def close(self) -> None:
         with self._lock:
@@ -221,18 +264,64 @@ class ShardReader:
                 dense = bool((sizes == full).all() and (gaps >= 0).all() and gaps.sum() <= (64 << 10))
             if dense:
                 return self._scatter(layout, start, stop, c0, c1, int(idx[c0, 0]), out, gaps)
+        spans = self._spans(layout, c0, c1, offs, sizes)
+        payloads = [memoryview(self.files.read(layout.key, a, b)) for a, b in spans]
+        return self._fill(layout, start, stop, c0, c1, offs, sizes, spans, payloads, out)
+
+    def read_rows_many(self, requests: list[tuple], in_flight: int, range_bytes: int) -> list[np.ndarray]:
+        """read_rows for each (layout, start, stop, out) of `requests`, with their byte ranges (cut to
+        at most `range_bytes`) fetched up to `in_flight` at a time (_Files.read_ranges); each array
+        is then checked and decoded exactly as read_rows does."""
+        plans, ranges = [], []
+        for layout, start, stop, out in requests:
+            if out is None:
+                out = np.empty((max(0, stop - start), *layout.shape[1:]), dtype=layout.dtype.newbyteorder("="))
+            if stop <= start:
+                plans.append((layout, start, stop, out, None))
+                continue
+            c0, c1 = start // layout.chunk_rows, (stop - 1) // layout.chunk_rows
+            idx = self.index(layout)
+            offs, sizes = idx[c0:c1 + 1, 0], idx[c0:c1 + 1, 1]
+            spans = self._spans(layout, c0, c1, offs, sizes)
+            pieces = []  # per span: the indices of its pieces in `ranges`
+            for a, b in spans:
+                pieces.append(range(len(ranges), len(ranges) + -(-(b - a) // range_bytes)))
+                ranges += [(layout.key, x, min(b, x + range_bytes)) for x in range(a, b, range_bytes)]
+            plans.append((layout, start, stop, out, (c0, c1, offs, sizes, spans, pieces)))
+        data = self.files.read_ranges(ranges, in_flight)
+        result = []
+        for layout, start, stop, out, plan in plans:
+            if plan is not None:
+                c0, c1, offs, sizes, spans, pieces = plan
+                payloads = [memoryview(data[p[0]] if len(p) == 1 else b"".join(data[i] for i in p)) for p in pieces]
+                for (a, b), payload in zip(spans, payloads):
+                    if len(payload) != b - a:
+                        raise CacheFormatError(f"{layout.key}: short read ({len(payload)} of {b - a} bytes at {a})")
+                self._fill(layout, start, stop, c0, c1, offs, sizes, spans, payloads, out)
+            result.append(out)
+        return result
+
+    @staticmethod
+    def _spans(layout: ArrayLayout, c0: int, c1: int, offs: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int]]:
+        """The byte ranges holding chunks c0..c1: one for the whole run of chunks, also across small
+        gaps (HDF5 may place a few KB of metadata between two chunks), since one request beats
+        several on an object store; else one per chunk."""
         if (offs == EMPTY).any():
             raise CacheFormatError(f"{layout.name or layout.key}: chunks {c0}..{c1} include an unwritten chunk")
         base, end = int(offs.min()), int((offs + sizes).max())
-        # one range for the whole run of chunks, also across small gaps (HDF5 may place a few KB of
-        # metadata between two chunks): one request beats several on an object store
-        together = end - base <= int(sizes.sum()) + (64 << 10)
-        buf = memoryview(self.files.read(layout.key, base, end)) if together else None
-        per_chunk = layout.chunk_rows
+        if end - base <= int(sizes.sum()) + (64 << 10):
+            return [(base, end)]
+        return [(int(o), int(o + n)) for o, n in zip(offs, sizes)]
+
+    def _fill(self, layout: ArrayLayout, start: int, stop: int, c0: int, c1: int, offs: np.ndarray,
+              sizes: np.ndarray, spans: list, payloads: list, out: np.ndarray) -> np.ndarray:
+        """Check and decode chunks c0..c1, held by the bytes of `spans` (_spans), into rows
+        [start, stop) of `out`."""
+        row_shape, per_chunk = layout.shape[1:], layout.chunk_rows
+        base = spans[0][0]
         for k, c in enumerate(range(c0, c1 + 1)):
             off, size = int(offs[k]), int(sizes[k])
-            payload = buf[off - base: off - base + size] if buf is not None else \
-                memoryview(self.files.read(layout.key, off, off + size))
+            payload = payloads[0][off - base:off - base + size] if len(spans) == 1 else payloads[k]
             values = self._decode(layout, payload, c).reshape(per_chunk, *row_shape)
             lo, hi = max(start, c * per_chunk), min(stop, (c + 1) * per_chunk)
             out[lo - start:hi - start] = values[lo - c * per_chunk:hi - c * per_chunk]
@@ -359,6 +448,10 @@ class CacheReader:
     """
 
     check_threads: int = min(4, os.cpu_count() or 1)
+    # remote stores: byte-range requests kept in flight by read_arrays (a sample's arrays, a batch's
+    # samples), and the most bytes one request asks for (a large array is cut into several)
+    read_ahead: int = 16
+    range_bytes: int = 4 << 20
 
     def __init__(self, url: str, storage_options: dict | None = None, expect: dict | None = None,
                  verify: bool = True, fast: bool = True, cache_dir: str | None = None):
@@ -397,7 +490,7 @@ class CacheReader:
     def _process_state(self):
         pid = os.getpid()
         if self._state is None or self._state[0] != pid:
-            files = _Files(self.url, self.storage_options, self.cache_dir)
+            files = _Files(self.url, self.storage_options, self.cache_dir, connections=self.read_ahead)
             self._state = (pid, self.store, files, ShardReader(files, self.verify, check_threads=self.check_threads), {})
         return self._state
 
@@ -448,17 +541,19 @@ class CacheReader:
         missing = [i for i in layers if i not in self.layers]
         if missing:
             raise CacheFormatError(f"layers {missing} are not in this cache (cached layers: {self.layers})")
-        out: dict = {}
+        keys = [f for f in ("input_ids", "loss_mask") if f in fields]
+        arrays = list(keys)
+        names = ([(i, i) for i in layers] if "hidden" in fields else []) + \
+                ([("last", "last")] if "last_hidden" in fields else [])
+        for key, layer in names:
+            arrays.append(hidden_name(layer))
+            if self.dtype != "bfloat16":
+                arrays.append(scale_name(layer))
         with self.checked():
-            for f in ("input_ids", "loss_mask"):
-                if f in fields:
-                    out[f] = self.read_array(part, f, start, stop)
-            names = ([(i, i) for i in layers] if "hidden" in fields else []) + \
-                    ([("last", "last")] if "last_hidden" in fields else [])
-            for key, layer in names:
-                bits = self.read_array(part, hidden_name(layer), start, stop)
-                scale = self.read_array(part, scale_name(layer), start, stop) if self.dtype != "bfloat16" else None
-                out[key] = (bits, scale)
+            values = dict(zip(arrays, self.read_arrays([(part, a, start, stop, None) for a in arrays])))
+        out: dict = {k: values[k] for k in keys}
+        for key, layer in names:
+            out[key] = (values[hidden_name(layer)], values.get(scale_name(layer)))
         return out
 
     def set_check_threads(self, n: int) -> None:
@@ -466,6 +561,37 @@ class CacheReader:
         self.check_threads = n
         if self._state is not None:  # the open-time reads already made this process's shard reader
             self._state[3].set_check_threads(n)
+
+    def set_read_ahead(self, requests: int, range_bytes: int | None = None) -> None:
+        """Requests in flight (and the bytes of each) for remote reads from now on."""
+        if requests < 1 or (range_bytes is not None and range_bytes < 1):
+            raise ValueError(f"read_ahead must be >= 1 request and range_bytes >= 1 (got {requests}, {range_bytes})")
+        grow = requests > self.read_ahead
+        self.read_ahead = requests
+        self.range_bytes = range_bytes or self.range_bytes
+        if grow and self._state is not None and self._state[2].remote:
+            self._state = None  # a new client, with a connection pool that large, on the next read
+
+    def read_arrays(self, requests: list[tuple]) -> list[np.ndarray]:
+        """read_array for each (part, name, start, stop, out) of `requests`. On a remote store the
+        byte ranges of all of them are fetched with up to `read_ahead` requests in flight."""
+        _, store, files, shards, _ = self._process_state()
+        if not files.remote or self.read_ahead <= 1:
+            return [self.read_array(*r) for r in requests]
+        results: list = [None] * len(requests)
+        fast = []
+        for i, (part, name, start, stop, out) in enumerate(requests):
+            layout = self._layout(part, name)
+            if layout is None:
+                results[i] = self.read_array(part, name, start, stop, out)
+                continue
+            if stop > layout.shape[0]:
+                raise CacheFormatError(f"{layout.name or layout.key}: rows {start}..{stop} past its {layout.shape[0]} rows")
+            fast.append((i, (layout, start, stop, out)))
+        got = shards.read_rows_many([r for _, r in fast], self.read_ahead, self.range_bytes)
+        for (i, _), values in zip(fast, got):
+            results[i] = values
+        return results
 
     def checked(self):
         """A block of reads whose checksums run alongside the next reads and are all settled (a

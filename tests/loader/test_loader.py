@@ -126,7 +126,8 @@ def test_checks_on_checksum_threads_match_and_still_catch_a_flipped_bit(tmp_path
     monkeypatch.setattr(reader_mod, "CHECK_BYTES", 2 * (16 * H * 2 + 4))  # two chunks a task at H = 24
     parts = synthetic_parts(parts=2)
     url = write_store(str(tmp_path / "c.zarr"), parts)
-    check_round_trip(TargetCacheDataset(url, check_threads=3), parts, "bfloat16")
+    threaded = TargetCacheDataset(url, check_threads=3)
+    check_round_trip(threaded, parts, "bfloat16")
     assert any(t.name.startswith("crc32c") for t in threading.enumerate())  # the checks ran on the pool
     shard = Path(url) / "parts" / "p000001" / "hidden" / "3" / "c" / "0" / "0"
     data = bytearray(shard.read_bytes())
@@ -164,6 +165,42 @@ def test_s3_round_trip_with_and_without_local_cache(tmp_path, moto):
     ds = TargetCacheDataset(url, storage_options=moto.storage_options)
     with pytest.raises(ChecksumError, match="p000001/hidden/3/c/0/0: chunk 0 checksum mismatch"):
         ds[6]
+
+
+def test_s3_read_ahead_keeps_requests_in_flight_and_reads_the_same_samples(moto, monkeypatch):
+    """A sampler's batch through __getitems__ with read_ahead 8 (arrays cut into 2,000-byte ranges):
+    the same samples as one request at a time, with more than one request in flight at once."""
+    import asyncio
+
+    dtype = "bfloat16"  # fp8's decode after the read is the local round trip's (same __getitems__)
+    bucket = moto.bucket("loader-read-ahead")
+    parts = synthetic_parts(parts=2)
+    url = write_store(f"s3://{bucket}/c.zarr", parts, dtype, "none", moto.storage_options)
+    want = expected(parts, dtype)
+    serial = TargetCacheDataset(url, storage_options=moto.storage_options, read_ahead=1)
+    ahead = TargetCacheDataset(url, storage_options=moto.storage_options, read_ahead=8, range_bytes=2000)
+    ahead[0]  # open the store and the shard indexes first: what follows is sample reads only
+    fs = ahead.reader._process_state()[2].fs
+    original, now, peak = fs._cat_file, [0], [0]
+
+    async def counting(*args, **kwargs):
+        now[0] += 1
+        peak[0] = max(peak[0], now[0])
+        try:
+            await asyncio.sleep(0.01)  # hold the slot a little, as a real network round trip does
+            return await original(*args, **kwargs)
+        finally:
+            now[0] -= 1
+
+    monkeypatch.setattr(fs, "_cat_file", counting)
+    for batch in ResumableBatchSampler(serial.lengths(), batch_size=5, seed=3):
+        got, ref = ahead.__getitems__(batch), serial.__getitems__(batch)
+        for i, g, r in zip(batch, got, ref):
+            assert g["sample_id"] == r["sample_id"] == want[i]["sample_id"]
+            for key in ("input_ids", "loss_mask", "hidden", "last_hidden"):
+                assert torch.equal(g[key], r[key]), (i, key)
+            assert torch.equal(g["hidden"][1], want[i][3]) and torch.equal(g["last_hidden"], want[i]["last"])
+    assert peak[0] > 1
 
 
 # ---- sampler ---------------------------------------------------------------------------------------
