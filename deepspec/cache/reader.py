@@ -150,7 +150,7 @@ class _Files:
     def _backoff(attempt: int) -> float:
         return 0.2 * 2 ** attempt
 
-    def read_ranges(self, ranges: list[tuple[str, int, int]], in_flight: int) -> list[bytes]:
+    def read_ranges(self, ranges: list[tuple[str, int, int | None]], in_flight: int) -> list[bytes]:
         """Many (key, start, end) ranges, up to `in_flight` requests at a time, each with read()'s
         retry rule. An async filesystem (s3fs, ...) runs them as coroutines on its own event loop;
         any other (the block cache, local files) on threads."""
@@ -215,15 +215,30 @@ class ShardReader:
         elif idx is None:
             nbytes = 16 * layout.n_chunks + 4
             size = self.files.size(layout.key)
-            raw = self.files.read(layout.key, size - nbytes, size)
-            body, crc = raw[:-4], int.from_bytes(raw[-4:], "little")
-            if _crc32c(body) != crc:
-                raise ChecksumError(f"{layout.key}: shard index checksum mismatch")
-            idx = np.frombuffer(body, dtype="<u8").reshape(layout.n_chunks, 2)
-            self._index[layout.key] = idx
-            self._dense[layout.key] = bool((idx[:, 0] != EMPTY).all() and idx[0, 0] == 0 and
-                                           (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all())
+            idx = self._keep_index(layout, self.files.read(layout.key, size - nbytes, size))
         return idx
+
+    def _keep_index(self, layout: ArrayLayout, raw: bytes) -> np.ndarray:
+        """A Zarr shard's index (the last 16 * n_chunks + 4 bytes of its file), checked and kept."""
+        body, crc = raw[:-4], int.from_bytes(raw[-4:], "little")
+        if len(raw) != 16 * layout.n_chunks + 4 or _crc32c(body) != crc:
+            raise ChecksumError(f"{layout.key}: shard index checksum mismatch")
+        idx = np.frombuffer(body, dtype="<u8").reshape(layout.n_chunks, 2)
+        self._index[layout.key] = idx
+        self._dense[layout.key] = bool((idx[:, 0] != EMPTY).all() and idx[0, 0] == 0 and
+                                       (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all())
+        return idx
+
+    def prefetch_indexes(self, layouts: list[ArrayLayout], in_flight: int) -> None:
+        """Zarr shard indexes not read yet, fetched together: one suffix-range request each (the
+        file's size is not needed), up to `in_flight` at a time. Only on an async filesystem; elsewhere
+        index() reads each when first used."""
+        todo = list({lay.key: lay for lay in layouts if lay.table is None and lay.key not in self._index}.values())
+        if len(todo) < 2 or not self.files.remote or not getattr(self.files.fs, "async_impl", False):
+            return
+        raws = self.files.read_ranges([(lay.key, -(16 * lay.n_chunks + 4), None) for lay in todo], in_flight)
+        for lay, raw in zip(todo, raws):
+            self._keep_index(lay, raw)
 
     def _decode(self, layout: ArrayLayout, payload: memoryview, chunk: int) -> np.ndarray:
         body = payload[:-4]
@@ -272,6 +287,7 @@ class ShardReader:
         """read_rows for each (layout, start, stop, out) of `requests`, with their byte ranges (cut to
         at most `range_bytes`) fetched up to `in_flight` at a time (_Files.read_ranges); each array
         is then checked and decoded exactly as read_rows does."""
+        self.prefetch_indexes([r[0] for r in requests if r[2] > r[1]], in_flight)
         plans, ranges = [], []
         for layout, start, stop, out in requests:
             if out is None:
