@@ -122,12 +122,14 @@ def write_reference(path: Path, ds: TargetCacheDataset) -> list[tuple[int, int, 
 def timed(read, n_items: int, seconds: float, seed: int = 0) -> dict:
     order = list(range(n_items))
     random.Random(seed).shuffle(order)
-    count, nbytes, t0 = 0, 0, time.perf_counter()
+    count, nbytes, t0, cpu0 = 0, 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - t0 < seconds:
         nbytes += read(order[count % n_items])
         count += 1
     dt = time.perf_counter() - t0
-    return {"samples_s": round(count / dt, 1), "MB_s": round(nbytes / dt / 1e6, 1)}
+    # CPU of the whole process (every thread) per sample: what a contender costs, whatever else runs
+    return {"samples_s": round(count / dt, 1), "MB_s": round(nbytes / dt / 1e6, 1),
+            "cpu_ms_per_sample": round((time.process_time() - cpu0) / count * 1e3, 2)}
 
 
 def sample_bytes(s: dict) -> int:
@@ -313,6 +315,7 @@ def checks_cost(args) -> None:
         mm.close()
         f.close()
     out["results"] = results
+    out["load_avg_1min"] = round(os.getloadavg()[0], 1)  # on a shared machine: what else ran
     on, off, ref = (results[k]["samples_s"] for k in ("checks_on", "checks_off", "mmap_copy"))
     out["ratios"] = {"checks_on_vs_checks_off": round(on / off, 3), "checks_on_vs_mmap_copy": round(on / ref, 3),
                      "checks_off_vs_mmap_copy": round(off / ref, 3),

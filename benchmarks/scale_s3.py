@@ -27,7 +27,7 @@ from pathlib import Path
 
 LATENCY_S = 0.030
 STREAM_BYTES_S = 20e6
-PIECE = 64 << 10
+PIECE = 256 << 10  # paced in pieces of 12.8 ms at 20 MB/s: fine enough, few wake-ups
 HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
 
 

@@ -9,7 +9,10 @@ A sample is a dict of
     last_hidden  bfloat16 [T, H]     post-norm final state
     sample_id    int                 the row id as an integer (format.sample_id_to_str)
 Only the requested layers and fields are read. The dataset is picklable and opens the store
-lazily in each DataLoader worker (fork or forkserver).
+lazily in each DataLoader worker (fork or forkserver). A DataLoader with a batch sampler hands a
+whole batch to `__getitems__`: on S3 the byte ranges of all its arrays are then in flight together
+(`read_ahead` requests, `range_bytes` each at most); locally the crc32c checks run on
+`check_threads` threads alongside the reads (deepspec/cache/reader.py).
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ class TargetCacheDataset(Dataset):
         if check_threads is not None:  # threads checking crc32c of local reads (CacheReader.check_threads)
             self.reader.set_check_threads(check_threads)
         if read_ahead is not None or range_bytes is not None:  # remote stores (CacheReader.read_ahead)
-            self.reader.set_read_ahead(read_ahead or self.reader.read_ahead, range_bytes)
+            self.reader.set_read_ahead(self.reader.read_ahead if read_ahead is None else read_ahead, range_bytes)
         cached = self.reader.layers
         self.layers = list(cached if layers is None else layers)
         missing = [i for i in self.layers if i not in cached]
