@@ -16,6 +16,20 @@ uniformly random order through
 and prints samples/s, MB/s and the ratios (c)/(a) and (c)/(b). Goal: (c) >= 0.5x (a), >= 4x (b);
 HDF5 without checks >= 0.8x Zarr without checks. Per store it also prints its write speed (MB/s
 of payload through CacheWriter, fsync included), files per GB and bytes per token.
+
+    python benchmarks/loader.py --checks [--gb 0.6] [--width 2560] [--sample-tokens 1000]
+
+measures what the crc32c checks cost at the reference width instead (synthetic bf16 rows, no
+existing cache needed; Qwen3-4B: H = 2,560, layers [1, 9, 17, 25, 33] + last, ~1,000-token samples,
+page cache hot), side by side in one run, single process, uniformly random order:
+  mmap_copy   a flat file in the reference's record layout, mmapped, each tensor copied out
+              (np.frombuffer(...).copy(), the reference dataset's reading style)
+  checks_off  TargetCacheDataset(verify=False)
+  checks_on   TargetCacheDataset(verify=True), each array's crc32c checked on the reader's
+              checksum threads while the next array is read (`check_threads`)
+  checks_on_inline  the same with check_threads=0: every chunk checked in the reading thread
+and whether the crc32c package releases the GIL (its GB/s in 1 and 2 threads). Goal: checks_on
+>= 0.85x checks_off.
 """
 from __future__ import annotations
 
@@ -108,12 +122,14 @@ def write_reference(path: Path, ds: TargetCacheDataset) -> list[tuple[int, int, 
 def timed(read, n_items: int, seconds: float, seed: int = 0) -> dict:
     order = list(range(n_items))
     random.Random(seed).shuffle(order)
-    count, nbytes, t0 = 0, 0, time.perf_counter()
+    count, nbytes, t0, cpu0 = 0, 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - t0 < seconds:
         nbytes += read(order[count % n_items])
         count += 1
     dt = time.perf_counter() - t0
-    return {"samples_s": round(count / dt, 1), "MB_s": round(nbytes / dt / 1e6, 1)}
+    # CPU of the whole process (every thread) per sample: what a contender costs, whatever else runs
+    return {"samples_s": round(count / dt, 1), "MB_s": round(nbytes / dt / 1e6, 1),
+            "cpu_ms_per_sample": round((time.process_time() - cpu0) / count * 1e3, 2)}
 
 
 def sample_bytes(s: dict) -> int:
@@ -136,7 +152,10 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1920, help="hidden width of the benchmark rows")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--s3", action="store_true", help="also read through moto_server on 127.0.0.1")
+    ap.add_argument("--checks", action="store_true", help="only the checksum-cost comparison (synthetic rows)")
     args = ap.parse_args()
+    if args.checks:
+        return checks_cost(args)
     layers, flat = real_samples(args.cache, args.sample_tokens, args.width)
     H = flat["last"].shape[1]
     per_sample = args.sample_tokens * (6 + (len(layers) + 1) * H * 2)
@@ -214,6 +233,93 @@ def main() -> None:
                          "h5_lz4_vs_zarr_lz4": round(results["h5_blosc_lz4"]["samples_s"]
                                                      / results["fast_blosc_lz4"]["samples_s"], 3),
                          "h5_fp8_vs_zarr_fp8": round(results["h5_fp8"]["samples_s"] / results["fast_fp8"]["samples_s"], 3)}
+    print(json.dumps(out, indent=2))
+
+
+REF_LAYERS = [1, 9, 17, 25, 33]  # Qwen3-4B, the reference case
+
+
+def synthetic_flat(tokens: int, width: int, layers: list[int], seed: int = 0) -> dict:
+    """Random bf16 bit patterns of finite values: an uncompressed store's read cost does not depend on them."""
+    rng = np.random.default_rng(seed)
+    flat = {"input_ids": rng.integers(0, 150_000, tokens).astype(np.int32),
+            "loss_mask": rng.integers(0, 2, tokens).astype(np.uint8)}
+    for k in [*layers, "last"]:
+        # sign | exponent 0x70..0x8f | mantissa: finite, normal bf16 values around 1
+        bits = rng.integers(0, 1 << 16, (tokens, width), dtype=np.uint32)
+        flat[k] = ((bits & 0x807F) | (0x3800 + ((bits >> 7) & 0x1F) * 0x80)).astype(np.uint16)
+    return flat
+
+
+def crc_threads(seconds: float = 1.0) -> dict:
+    """crc32c GB/s over 320 KB buffers (one 64-token chunk at H = 2,560) in 1 and 2 threads: > 1x
+    means the package releases the GIL while it checksums."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from crc32c import crc32c
+
+    bufs = [np.random.default_rng(i).bytes(64 * 2560 * 2) for i in range(64)]
+    nbytes = sum(len(b) for b in bufs)
+
+    def run(n: int) -> float:
+        with ThreadPoolExecutor(n) as ex:
+            count, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                list(ex.map(lambda bs: [crc32c(b) for b in bs], [bufs[i::n] for i in range(n)]))
+                count += 1
+            return count * nbytes / (time.perf_counter() - t0) / 1e9
+
+    one, two = run(1), run(2)
+    return {"crc32c_GB_s_1_thread": round(one, 2), "crc32c_GB_s_2_threads": round(two, 2),
+            "two_thread_speedup": round(two / one, 2), "cpus": os.cpu_count()}
+
+
+def checks_cost(args) -> None:
+    """checks on / checks off / mmap+copy at the reference width, side by side (module docstring)."""
+    import mmap
+
+    layers, H, T = REF_LAYERS, args.width, args.sample_tokens
+    per_sample = T * (5 + (len(layers) + 1) * H * 2)
+    n = max(8, int(args.gb * 1e9 / per_sample))
+    flat = synthetic_flat(int(T * 1.2) * 8 + 1, H, layers)
+    out: dict = {"samples": n, "sample_tokens": T, "hidden_size": H, "layers": layers, "crc32c": crc_threads()}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        tmp = Path(tmp)
+        url, lengths = build(tmp / "store", layers, flat, n, T, "bfloat16", "none")
+        del flat
+        index = write_reference(tmp / "reference.bin", TargetCacheDataset(url))
+        out["store_GB"] = round(sum(p.stat().st_size for p in (tmp / "store").rglob("*") if p.is_file()) / 1e9, 3)
+        warm(tmp)
+        f = open(tmp / "reference.bin", "rb")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        L = len(layers)
+
+        def read_mmap_copy(i):
+            off, _, t = index[i]
+            ids = np.frombuffer(mm, np.int32, t, off).copy()
+            loss = np.frombuffer(mm, np.uint8, t, off + 5 * t).copy()
+            hid = torch.from_numpy(np.frombuffer(mm, np.uint16, t * L * H, off + 6 * t).copy()).view(torch.bfloat16)
+            last = torch.from_numpy(np.frombuffer(mm, np.uint16, t * H, off + 6 * t + 2 * t * L * H).copy())
+            return ids.nbytes + loss.nbytes + hid.numel() * 2 + last.numel() * 2
+
+        contenders = {"mmap_copy": read_mmap_copy}
+        for name, kw in (("checks_off", {"verify": False}), ("checks_on", {"verify": True}),
+                         ("checks_on_inline", {"verify": True, "check_threads": 0})):
+            d = TargetCacheDataset(url, **kw)
+            contenders[name] = (lambda d: lambda i: sample_bytes(d[i]))(d)
+        results: dict = {}
+        for rep in range(3):  # interleaved, best of three: the machine is shared
+            for name, fn in contenders.items():
+                r = timed(fn, n, args.seconds / 3, seed=rep)
+                results[name] = max(results.get(name, r), r, key=lambda x: x["samples_s"])
+        mm.close()
+        f.close()
+    out["results"] = results
+    out["load_avg_1min"] = round(os.getloadavg()[0], 1)  # on a shared machine: what else ran
+    on, off, ref = (results[k]["samples_s"] for k in ("checks_on", "checks_off", "mmap_copy"))
+    out["ratios"] = {"checks_on_vs_checks_off": round(on / off, 3), "checks_on_vs_mmap_copy": round(on / ref, 3),
+                     "checks_off_vs_mmap_copy": round(off / ref, 3),
+                     "checks_on_inline_vs_checks_off": round(results["checks_on_inline"]["samples_s"] / off, 3)}
     print(json.dumps(out, indent=2))
 
 

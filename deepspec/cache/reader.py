@@ -5,10 +5,18 @@ several times slower than reading the same bytes from a flat file. The fast path
 Zarr v3 format: it caches each shard's index, reads a sample's contiguous chunk range with one
 `os.pread` (local) or one range request (fsspec), checks every chunk's crc32c and decodes with the
 array's own codec chain. Layouts it does not recognise are read through zarr-python instead.
+
+Checking costs about half as much CPU as reading the bytes from the page cache (crc32c ~9 GB/s,
+a page-cache copy ~4 GB/s on one core), so done in the reading thread it takes a third of a local
+read. With `check_threads` the checks of uncompressed local arrays run on a small thread pool
+(the crc32c package releases the GIL for large buffers): inside `ShardReader.deferred()` an array's
+checks overlap the read of the next array, and the block's exit waits for them and raises the
+first mismatch, so nothing unchecked leaves a `CacheReader.read` or a dataset item.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import time
@@ -26,6 +34,11 @@ MAX_OPEN_FILES = 256
 EMPTY = 2**64 - 1  # shard index marker of a chunk that was never written
 
 # A single preadv takes at most IOV_MAX buffers (1,024 on Linux); a read of more chunks is split.
+# Bytes of chunks one checksum-thread task checks: big enough that the task's overhead (a queue put,
+# a thread wake-up, the GIL taken twice) is small next to the crc32c (~0.2 ms), small enough that the
+# last array of a sample splits across the threads.
+CHECK_BYTES = 2 << 20
+
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
@@ -80,7 +93,7 @@ class _Files:
     """Byte-range access to store keys: pread on local files (an LRU of open fds), fsspec otherwise."""
 
     def __init__(self, url: str, storage_options: dict | None, cache_dir: str | None = None,
-                 retries: int = 3):
+                 retries: int = 3, connections: int = 0):
         self.url = url.rstrip("/")
         self.remote = is_remote(url)
         self.retries = retries
@@ -89,7 +102,13 @@ class _Files:
         if self.remote:
             import fsspec
 
-            fs, self.root = fsspec.core.url_to_fs(url, **storage_options_for(url, storage_options))
+            options = storage_options_for(url, storage_options)
+            if url.startswith("s3://") and connections > 10:
+                # botocore's connection pool (10 by default) would cap the requests in flight
+                config = dict(options.get("config_kwargs") or {})
+                config.setdefault("max_pool_connections", connections)
+                options["config_kwargs"] = config
+            fs, self.root = fsspec.core.url_to_fs(url, **options)
             if cache_dir:  # fsspec's own block cache: byte ranges are kept on local disk
                 fs = fsspec.filesystem("blockcache", fs=fs, cache_storage=cache_dir)
             self.fs = fs
@@ -121,11 +140,48 @@ class _Files:
                 except OSError:  # transient network/storage errors; s3fs maps most to OSError
                     if attempt == self.retries:
                         raise
-                    time.sleep(0.2 * 2 ** attempt)
+                    time.sleep(self._backoff(attempt))
         data = os.pread(self._fd(key), end - start, start)
         if len(data) != end - start:
             raise CacheFormatError(f"{key}: short read ({len(data)} of {end - start} bytes at {start})")
         return data
+
+    @staticmethod
+    def _backoff(attempt: int) -> float:
+        return 0.2 * 2 ** attempt
+
+    def read_ranges(self, ranges: list[tuple[str, int, int | None]], in_flight: int) -> list[bytes]:
+        """Many (key, start, end) ranges, up to `in_flight` requests at a time, each with read()'s
+        retry rule. An async filesystem (s3fs, ...) runs them as coroutines on its own event loop;
+        any other (the block cache, local files) on threads."""
+        if not self.remote or in_flight <= 1 or len(ranges) <= 1:
+            return [self.read(*r) for r in ranges]
+        if not getattr(self.fs, "async_impl", False):
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(in_flight, len(ranges))) as pool:
+                return list(pool.map(lambda r: self.read(*r), ranges))
+        import asyncio
+
+        from fsspec.asyn import sync
+
+        async def fetch(gate, key: str, start: int, end: int) -> bytes:
+            async with gate:
+                for attempt in range(self.retries + 1):
+                    try:
+                        return await self.fs._cat_file(f"{self.root}/{key}", start=start, end=end)
+                    except FileNotFoundError:
+                        raise
+                    except OSError:
+                        if attempt == self.retries:
+                            raise
+                        await asyncio.sleep(self._backoff(attempt))
+
+        async def gather() -> list[bytes]:
+            gate = asyncio.Semaphore(in_flight)
+            return await asyncio.gather(*(fetch(gate, *r) for r in ranges))
+
+        return sync(self.fs.loop, gather)
 
     def close(self) -> None:
         with self._lock:
@@ -137,9 +193,12 @@ class _Files:
 class ShardReader:
     """Row ranges of single-shard arrays, read and checked without zarr-python on the hot path."""
 
-    def __init__(self, files: _Files, verify: bool = True, strict: bool = False):
+    def __init__(self, files: _Files, verify: bool = True, strict: bool = False, check_threads: int = 0):
         self.files = files
         self.verify = verify
+        self.check_threads = check_threads
+        self._pool = None       # created on first use, in the process that reads
+        self._pending = None    # futures of checks still running, while a deferred() block is open
         # strict (`deepspec cache verify`): an HDF5 chunk's own Fletcher-32 is checked as well as
         # the crc32c recorded for it in the chunk table
         self.strict = strict
@@ -156,15 +215,30 @@ class ShardReader:
         elif idx is None:
             nbytes = 16 * layout.n_chunks + 4
             size = self.files.size(layout.key)
-            raw = self.files.read(layout.key, size - nbytes, size)
-            body, crc = raw[:-4], int.from_bytes(raw[-4:], "little")
-            if _crc32c(body) != crc:
-                raise ChecksumError(f"{layout.key}: shard index checksum mismatch")
-            idx = np.frombuffer(body, dtype="<u8").reshape(layout.n_chunks, 2)
-            self._index[layout.key] = idx
-            self._dense[layout.key] = bool((idx[:, 0] != EMPTY).all() and idx[0, 0] == 0 and
-                                           (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all())
+            idx = self._keep_index(layout, self.files.read(layout.key, size - nbytes, size))
         return idx
+
+    def _keep_index(self, layout: ArrayLayout, raw: bytes) -> np.ndarray:
+        """A Zarr shard's index (the last 16 * n_chunks + 4 bytes of its file), checked and kept."""
+        body, crc = raw[:-4], int.from_bytes(raw[-4:], "little")
+        if len(raw) != 16 * layout.n_chunks + 4 or _crc32c(body) != crc:
+            raise ChecksumError(f"{layout.key}: shard index checksum mismatch")
+        idx = np.frombuffer(body, dtype="<u8").reshape(layout.n_chunks, 2)
+        self._index[layout.key] = idx
+        self._dense[layout.key] = bool((idx[:, 0] != EMPTY).all() and idx[0, 0] == 0 and
+                                       (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all())
+        return idx
+
+    def prefetch_indexes(self, layouts: list[ArrayLayout], in_flight: int) -> None:
+        """Zarr shard indexes not read yet, fetched together: one suffix-range request each (the
+        file's size is not needed), up to `in_flight` at a time. Only on an async filesystem; elsewhere
+        index() reads each when first used."""
+        todo = list({lay.key: lay for lay in layouts if lay.table is None and lay.key not in self._index}.values())
+        if len(todo) < 2 or not self.files.remote or not getattr(self.files.fs, "async_impl", False):
+            return
+        raws = self.files.read_ranges([(lay.key, -(16 * lay.n_chunks + 4), None) for lay in todo], in_flight)
+        for lay, raw in zip(todo, raws):
+            self._keep_index(lay, raw)
 
     def _decode(self, layout: ArrayLayout, payload: memoryview, chunk: int) -> np.ndarray:
         body = payload[:-4]
@@ -205,18 +279,65 @@ class ShardReader:
                 dense = bool((sizes == full).all() and (gaps >= 0).all() and gaps.sum() <= (64 << 10))
             if dense:
                 return self._scatter(layout, start, stop, c0, c1, int(idx[c0, 0]), out, gaps)
+        spans = self._spans(layout, c0, c1, offs, sizes)
+        payloads = [memoryview(self.files.read(layout.key, a, b)) for a, b in spans]
+        return self._fill(layout, start, stop, c0, c1, offs, sizes, spans, payloads, out)
+
+    def read_rows_many(self, requests: list[tuple], in_flight: int, range_bytes: int) -> list[np.ndarray]:
+        """read_rows for each (layout, start, stop, out) of `requests`, with their byte ranges (cut to
+        at most `range_bytes`) fetched up to `in_flight` at a time (_Files.read_ranges); each array
+        is then checked and decoded exactly as read_rows does."""
+        self.prefetch_indexes([r[0] for r in requests if r[2] > r[1]], in_flight)
+        plans, ranges = [], []
+        for layout, start, stop, out in requests:
+            if out is None:
+                out = np.empty((max(0, stop - start), *layout.shape[1:]), dtype=layout.dtype.newbyteorder("="))
+            if stop <= start:
+                plans.append((layout, start, stop, out, None))
+                continue
+            c0, c1 = start // layout.chunk_rows, (stop - 1) // layout.chunk_rows
+            idx = self.index(layout)
+            offs, sizes = idx[c0:c1 + 1, 0], idx[c0:c1 + 1, 1]
+            spans = self._spans(layout, c0, c1, offs, sizes)
+            pieces = []  # per span: the indices of its pieces in `ranges`
+            for a, b in spans:
+                pieces.append(range(len(ranges), len(ranges) + -(-(b - a) // range_bytes)))
+                ranges += [(layout.key, x, min(b, x + range_bytes)) for x in range(a, b, range_bytes)]
+            plans.append((layout, start, stop, out, (c0, c1, offs, sizes, spans, pieces)))
+        data = self.files.read_ranges(ranges, in_flight)
+        result = []
+        for layout, start, stop, out, plan in plans:
+            if plan is not None:
+                c0, c1, offs, sizes, spans, pieces = plan
+                payloads = [memoryview(data[p[0]] if len(p) == 1 else b"".join(data[i] for i in p)) for p in pieces]
+                for (a, b), payload in zip(spans, payloads):
+                    if len(payload) != b - a:
+                        raise CacheFormatError(f"{layout.key}: short read ({len(payload)} of {b - a} bytes at {a})")
+                self._fill(layout, start, stop, c0, c1, offs, sizes, spans, payloads, out)
+            result.append(out)
+        return result
+
+    @staticmethod
+    def _spans(layout: ArrayLayout, c0: int, c1: int, offs: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int]]:
+        """The byte ranges holding chunks c0..c1: one for the whole run of chunks, also across small
+        gaps (HDF5 may place a few KB of metadata between two chunks), since one request beats
+        several on an object store; else one per chunk."""
         if (offs == EMPTY).any():
             raise CacheFormatError(f"{layout.name or layout.key}: chunks {c0}..{c1} include an unwritten chunk")
         base, end = int(offs.min()), int((offs + sizes).max())
-        # one range for the whole run of chunks, also across small gaps (HDF5 may place a few KB of
-        # metadata between two chunks): one request beats several on an object store
-        together = end - base <= int(sizes.sum()) + (64 << 10)
-        buf = memoryview(self.files.read(layout.key, base, end)) if together else None
-        per_chunk = layout.chunk_rows
+        if end - base <= int(sizes.sum()) + (64 << 10):
+            return [(base, end)]
+        return [(int(o), int(o + n)) for o, n in zip(offs, sizes)]
+
+    def _fill(self, layout: ArrayLayout, start: int, stop: int, c0: int, c1: int, offs: np.ndarray,
+              sizes: np.ndarray, spans: list, payloads: list, out: np.ndarray) -> np.ndarray:
+        """Check and decode chunks c0..c1, held by the bytes of `spans` (_spans), into rows
+        [start, stop) of `out`."""
+        row_shape, per_chunk = layout.shape[1:], layout.chunk_rows
+        base = spans[0][0]
         for k, c in enumerate(range(c0, c1 + 1)):
             off, size = int(offs[k]), int(sizes[k])
-            payload = buf[off - base: off - base + size] if buf is not None else \
-                memoryview(self.files.read(layout.key, off, off + size))
+            payload = payloads[0][off - base:off - base + size] if len(spans) == 1 else payloads[k]
             values = self._decode(layout, payload, c).reshape(per_chunk, *row_shape)
             lo, hi = max(start, c * per_chunk), min(stop, (c + 1) * per_chunk)
             out[lo - start:hi - start] = values[lo - c * per_chunk:hi - c * per_chunk]
@@ -228,7 +349,8 @@ class ShardReader:
         (rows of the first/last chunk outside the range, the checksum trailers and any bytes
         between two chunks (`gaps`) go to scratch),
         then every chunk's crc32c is computed over exactly the bytes the file holds and compared
-        with its trailer (Zarr) or with the chunk table's crc32c (HDF5, whose trailer is Fletcher-32)."""
+        with its trailer (Zarr) or with the chunk table's crc32c (HDF5, whose trailer is Fletcher-32):
+        in this thread, or on the checksum threads in tasks of about CHECK_BYTES."""
         C = layout.chunk_rows
         row_bytes = layout.row_bytes
         dst = memoryview(out.reshape(-1).view(np.uint8))
@@ -261,16 +383,75 @@ class ShardReader:
         got = _preadv_all(self.files._fd(layout.key), iov, base)
         if got != want:
             raise CacheFormatError(f"{layout.key}: short read ({got} of {want} bytes at {base})")
-        if self.verify:
-            for k, parts in enumerate(spans):
-                crc = 0
-                for p in parts:  # the first/last chunk is split between scratch and `out`
-                    crc = _crc32c(p, crc)
-                want = int(layout.crcs[c0 + k]) if layout.crcs is not None else \
-                    int.from_bytes(crcs[4 * k:4 * k + 4], "little")
-                if crc != want:
-                    raise ChecksumError(f"{layout.name or layout.key}: chunk {c0 + k} checksum mismatch (corrupt bytes)")
+        if not self.verify:
+            return out
+        if not self.check_threads or want < CHECK_BYTES // 8:  # a thread's overhead is not worth it for a few KB
+            self._check_chunks(layout, c0, spans, crcs, 0, len(spans))
+            return out
+        step = max(1, CHECK_BYTES // (C * row_bytes + 4))
+        jobs = [(layout, c0, spans, crcs, k, min(k + step, len(spans))) for k in range(0, len(spans), step)]
+        pending = [(self._checker().submit(self._check_chunks, *job, 1), job) for job in jobs]
+        if self._pending is not None:
+            self._pending.extend(pending)
+        else:
+            self._settle(pending)
         return out
+
+    def _check_chunks(self, layout: ArrayLayout, c0: int, spans: list, crcs: bytearray, k0: int, k1: int,
+                      gil_release_mode: int = -1) -> None:
+        """Chunks k0..k1-1 of a `_scatter` read: crc32c over exactly the bytes the file holds."""
+        for k in range(k0, k1):
+            crc = 0
+            for p in spans[k]:  # the first/last chunk is split between scratch and `out`
+                crc = _crc32c(p, crc, gil_release_mode)
+            want = int(layout.crcs[c0 + k]) if layout.crcs is not None else \
+                int.from_bytes(crcs[4 * k:4 * k + 4], "little")
+            if crc != want:
+                raise ChecksumError(f"{layout.name or layout.key}: chunk {c0 + k} checksum mismatch (corrupt bytes)")
+
+    def set_check_threads(self, n: int) -> None:
+        if n != self.check_threads:
+            self.check_threads, self._pool = n, None  # an idle old pool's threads end with it
+
+    def _checker(self):
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(self.check_threads, thread_name_prefix="crc32c")
+        return self._pool
+
+    def _settle(self, pending: list) -> None:
+        """Wait for checks in read order; a check no thread has started yet runs here, so the
+        waiting thread works too. Raises the first mismatch in read order."""
+        first = None
+        for future, job in pending:
+            try:
+                if future.cancel():
+                    self._check_chunks(*job)
+                else:
+                    future.result()
+            except ChecksumError as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Checks of the arrays read inside the block may still be running when a read returns; the
+        block's exit waits for all of them and raises the first mismatch. Nested blocks join the outer one."""
+        if self._pending is not None or not (self.verify and self.check_threads):
+            yield
+            return
+        self._pending = []
+        try:
+            yield
+        except BaseException:
+            pending, self._pending = self._pending, None
+            for future, _ in pending:
+                future.cancel()
+            raise
+        pending, self._pending = self._pending, None
+        self._settle(pending)
 
 
 class CacheReader:
@@ -278,7 +459,15 @@ class CacheReader:
     backend holds it (backend.open_cache).
 
     Picklable and fork-safe: the store is opened lazily in whichever process first reads.
+    `check_threads` (set_check_threads): threads that check crc32c of local reads, 0 = in the
+    reading thread.
     """
+
+    check_threads: int = min(4, os.cpu_count() or 1)
+    # remote stores: byte-range requests kept in flight by read_arrays (a sample's arrays, a batch's
+    # samples), and the most bytes one request asks for (a large array is cut into several)
+    read_ahead: int = 16
+    range_bytes: int = 4 << 20
 
     def __init__(self, url: str, storage_options: dict | None = None, expect: dict | None = None,
                  verify: bool = True, fast: bool = True, cache_dir: str | None = None):
@@ -323,8 +512,8 @@ class CacheReader:
     def _process_state(self):
         pid = os.getpid()
         if self._state is None or self._state[0] != pid:
-            files = _Files(self.url, self.storage_options, self.cache_dir)
-            self._state = (pid, self.store, files, ShardReader(files, self.verify), {})
+            files = _Files(self.url, self.storage_options, self.cache_dir, connections=self.read_ahead)
+            self._state = (pid, self.store, files, ShardReader(files, self.verify, check_threads=self.check_threads), {})
         return self._state
 
     def lengths(self) -> np.ndarray:
@@ -374,14 +563,59 @@ class CacheReader:
         missing = [i for i in layers if i not in self.layers]
         if missing:
             raise CacheFormatError(f"layers {missing} are not in this cache (cached layers: {self.layers})")
-        out: dict = {}
-        for f in ("input_ids", "loss_mask"):
-            if f in fields:
-                out[f] = self.read_array(part, f, start, stop)
+        keys = [f for f in ("input_ids", "loss_mask") if f in fields]
+        arrays = list(keys)
         names = ([(i, i) for i in layers] if "hidden" in fields else []) + \
                 ([("last", "last")] if "last_hidden" in fields else [])
         for key, layer in names:
-            bits = self.read_array(part, hidden_name(layer), start, stop)
-            scale = self.read_array(part, scale_name(layer), start, stop) if self.dtype != "bfloat16" else None
-            out[key] = (bits, scale)
+            arrays.append(hidden_name(layer))
+            if self.dtype != "bfloat16":
+                arrays.append(scale_name(layer))
+        with self.checked():
+            values = dict(zip(arrays, self.read_arrays([(part, a, start, stop, None) for a in arrays])))
+        out: dict = {k: values[k] for k in keys}
+        for key, layer in names:
+            out[key] = (values[hidden_name(layer)], values.get(scale_name(layer)))
         return out
+
+    def set_check_threads(self, n: int) -> None:
+        """Threads checking crc32c of local reads from now on (0: in the reading thread)."""
+        self.check_threads = n
+        if self._state is not None:  # the open-time reads already made this process's shard reader
+            self._state[3].set_check_threads(n)
+
+    def set_read_ahead(self, requests: int, range_bytes: int | None = None) -> None:
+        """Requests in flight (and the bytes of each) for remote reads from now on."""
+        if requests < 1 or (range_bytes is not None and range_bytes < 1):
+            raise ValueError(f"read_ahead must be >= 1 request and range_bytes >= 1 (got {requests}, {range_bytes})")
+        grow = requests > self.read_ahead
+        self.read_ahead = requests
+        self.range_bytes = range_bytes or self.range_bytes
+        if grow and self._state is not None and self._state[2].remote:
+            self._state = None  # a new client, with a connection pool that large, on the next read
+
+    def read_arrays(self, requests: list[tuple]) -> list[np.ndarray]:
+        """read_array for each (part, name, start, stop, out) of `requests`. On a remote store the
+        byte ranges of all of them are fetched with up to `read_ahead` requests in flight."""
+        _, store, files, shards, _ = self._process_state()
+        if not files.remote or self.read_ahead <= 1:
+            return [self.read_array(*r) for r in requests]
+        results: list = [None] * len(requests)
+        fast = []
+        for i, (part, name, start, stop, out) in enumerate(requests):
+            layout = self._layout(part, name)
+            if layout is None:
+                results[i] = self.read_array(part, name, start, stop, out)
+                continue
+            if stop > layout.shape[0]:
+                raise CacheFormatError(f"{layout.name or layout.key}: rows {start}..{stop} past its {layout.shape[0]} rows")
+            fast.append((i, (layout, start, stop, out)))
+        got = shards.read_rows_many([r for _, r in fast], self.read_ahead, self.range_bytes)
+        for (i, _), values in zip(fast, got):
+            results[i] = values
+        return results
+
+    def checked(self):
+        """A block of reads whose checksums run alongside the next reads and are all settled (a
+        ChecksumError raised) when the block exits; arrays read inside are not to be used before."""
+        return self._process_state()[3].deferred()

@@ -9,7 +9,10 @@ A sample is a dict of
     last_hidden  bfloat16 [T, H]     post-norm final state
     sample_id    int                 the row id as an integer (format.sample_id_to_str)
 Only the requested layers and fields are read. The dataset is picklable and opens the store
-lazily in each DataLoader worker (fork or forkserver).
+lazily in each DataLoader worker (fork or forkserver). A DataLoader with a batch sampler hands a
+whole batch to `__getitems__`: on S3 the byte ranges of all its arrays are then in flight together
+(`read_ahead` requests, `range_bytes` each at most); locally the crc32c checks run on
+`check_threads` threads alongside the reads (deepspec/cache/reader.py).
 """
 from __future__ import annotations
 
@@ -26,13 +29,18 @@ FIELDS = ("input_ids", "loss_mask", "hidden", "last_hidden")
 class TargetCacheDataset(Dataset):
     def __init__(self, url: str, layers: list[int] | None = None, fields: tuple[str, ...] = FIELDS,
                  storage_options: dict | None = None, cache_dir: str | None = None, verify: bool = True,
-                 expect: dict | None = None, fast: bool = True):
+                 expect: dict | None = None, fast: bool = True, check_threads: int | None = None,
+                 read_ahead: int | None = None, range_bytes: int | None = None):
         unknown = [f for f in fields if f not in FIELDS]
         if unknown:
             raise ValueError(f"unknown fields {unknown} (known: {list(FIELDS)})")
         self.url = url
         self.reader = CacheReader(url, storage_options, expect=expect, verify=verify, fast=fast,
                                   cache_dir=cache_dir)
+        if check_threads is not None:  # threads checking crc32c of local reads (CacheReader.check_threads)
+            self.reader.set_check_threads(check_threads)
+        if read_ahead is not None or range_bytes is not None:  # remote stores (CacheReader.read_ahead)
+            self.reader.set_read_ahead(self.reader.read_ahead if read_ahead is None else read_ahead, range_bytes)
         cached = self.reader.layers
         self.layers = list(cached if layers is None else layers)
         missing = [i for i in self.layers if i not in cached]
@@ -52,30 +60,44 @@ class TargetCacheDataset(Dataset):
     def manifest(self) -> dict:
         return self.reader.manifest
 
-    def _hidden(self, part: int, start: int, stop: int, layers: list) -> torch.Tensor:
-        """[len(layers), T, H] bfloat16."""
-        r, H = self.reader, self.hidden_size
-        if self.dtype == "bfloat16":
-            buf = np.empty((len(layers), stop - start, H), dtype=np.uint16)
-            for k, layer in enumerate(layers):
-                r.read_array(part, hidden_name(layer), start, stop, out=buf[k])
-            return torch.from_numpy(buf).view(torch.bfloat16)
-        out = torch.empty((len(layers), stop - start, H), dtype=torch.bfloat16)
-        for k, layer in enumerate(layers):
-            bits = r.read_array(part, hidden_name(layer), start, stop)
-            scale = r.read_array(part, scale_name(layer), start, stop)
-            decode_hidden(bits, scale, self.dtype, out=out[k])
-        return out
-
     def __getitem__(self, index: int) -> dict:
-        part, start, stop = self.reader.locate(index)
-        item: dict = {"sample_id": int(self.reader.sample_id(index))}
-        if "input_ids" in self.fields:
-            item["input_ids"] = torch.from_numpy(self.reader.read_array(part, "input_ids", start, stop))
-        if "loss_mask" in self.fields:
-            item["loss_mask"] = torch.from_numpy(self.reader.read_array(part, "loss_mask", start, stop))
-        if "hidden" in self.fields:
-            item["hidden"] = self._hidden(part, start, stop, self.layers)
-        if "last_hidden" in self.fields:
-            item["last_hidden"] = self._hidden(part, start, stop, ["last"])[0]
-        return item
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[dict]:
+        """Samples `indices` (a DataLoader hands a batch sampler's whole batch here). On a remote store
+        the byte ranges of all of them are fetched together, `read_ahead` requests in flight; every
+        array's checks are settled before any item is handed out."""
+        r, H = self.reader, self.hidden_size
+        items, requests, finish = [], [], []
+        for index in indices:
+            part, start, stop = r.locate(index)
+            item: dict = {"sample_id": int(r.sample_id(index))}
+            for f in ("input_ids", "loss_mask"):
+                if f in self.fields:
+                    finish.append((item, f, len(requests)))
+                    requests.append((part, f, start, stop, None))
+            for field, layers in (("hidden", self.layers), ("last_hidden", ["last"])):
+                if field not in self.fields:
+                    continue
+                if self.dtype == "bfloat16":  # each layer read straight into its slab of the item's tensor
+                    buf = np.empty((len(layers), stop - start, H), dtype=np.uint16)
+                    requests += [(part, hidden_name(layer), start, stop, buf[k]) for k, layer in enumerate(layers)]
+                    t = torch.from_numpy(buf).view(torch.bfloat16)
+                    item[field] = t if field == "hidden" else t[0]
+                else:
+                    finish.append((item, field, len(requests)))
+                    for layer in layers:
+                        requests += [(part, hidden_name(layer), start, stop, None), (part, scale_name(layer), start, stop, None)]
+            items.append(item)
+        with r.checked():
+            values = r.read_arrays(requests)
+        for item, field, at in finish:
+            if field in ("input_ids", "loss_mask"):
+                item[field] = torch.from_numpy(values[at])
+                continue
+            n = len(self.layers) if field == "hidden" else 1
+            out = torch.empty((n, len(values[at]), H), dtype=torch.bfloat16)
+            for k in range(n):
+                decode_hidden(values[at + 2 * k], values[at + 2 * k + 1], self.dtype, out=out[k])
+            item[field] = out if field == "hidden" else out[0]
+        return [{k: item[k] for k in ("sample_id", *FIELDS) if k in item} for item in items]

@@ -88,7 +88,8 @@ def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path, vocab_count
 # trainer logs the LR jump), `layers` counts through the resolved layer list. Every other field, present
 # or added later, is in the fingerprint. The world size is checked on its own (a resume under another
 # one is refused, see Trainer.restore).
-RESUME_NEUTRAL = ("steps", "checkpoint_every", "keep_checkpoints", "num_workers", "threads", "launcher", "layers")
+RESUME_NEUTRAL = ("steps", "checkpoint_every", "keep_checkpoints", "num_workers", "read_ahead", "threads", "launcher",
+                  "layers")
 
 
 def resume_fingerprint(cfg: TrainConfig, layers: list[int], target_id: str, manifest: dict) -> str:
@@ -105,7 +106,7 @@ def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_di
     device = device or torch.device("cpu")
     identity = load_identity(target_dir)
     dataset = TargetCacheDataset(cache_url, layers=layers, storage_options=storage_options,
-                                 expect={"target": identity})
+                                 expect={"target": identity}, read_ahead=cfg.read_ahead)
     counts = None
     if cfg.algorithm == "eagle3":
         from deepspec.models.eagle3 import loss_token_counts

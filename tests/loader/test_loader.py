@@ -115,6 +115,37 @@ def test_corrupted_chunk_raises_naming_it(tmp_path):
     assert TargetCacheDataset(url, layers=[3])[0]  # the damage is confined to the corrupted array
 
 
+def test_checks_on_checksum_threads_match_and_still_catch_a_flipped_bit(tmp_path, monkeypatch):
+    """The threaded path (check_threads > 0, tasks of CHECK_BYTES): same values as checking inline,
+    and a corrupt chunk raises from the item (never handed out), naming array and chunk, even when
+    the damaged array's checks are still running while later arrays of the sample are read."""
+    import threading
+
+    import deepspec.cache.reader as reader_mod
+
+    monkeypatch.setattr(reader_mod, "CHECK_BYTES", 2 * (16 * H * 2 + 4))  # two chunks a task at H = 24
+    parts = synthetic_parts(parts=2)
+    url = write_store(str(tmp_path / "c.zarr"), parts)
+    threaded = TargetCacheDataset(url, check_threads=3)
+    check_round_trip(threaded, parts, "bfloat16")
+    assert any(t.name.startswith("crc32c") for t in threading.enumerate())  # the checks ran on the pool
+    shard = Path(url) / "parts" / "p000001" / "hidden" / "3" / "c" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    data[3 * (16 * H * 2 + 4) + 7] ^= 0x10  # one bit inside chunk 3
+    shard.write_bytes(bytes(data))
+    ds = TargetCacheDataset(url, check_threads=3)
+    with pytest.raises(ChecksumError, match=r"parts/p000001/hidden/3/c/0/0: chunk 3 checksum mismatch"):
+        for i in range(len(ds)):
+            ds[i]
+    reader = ds.reader
+    with pytest.raises(ChecksumError, match=r"p000001/hidden/3/c/0/0: chunk 3 checksum mismatch"):
+        for i in range(int(reader.part_start[1]), len(reader)):
+            reader.read(i)
+    with pytest.raises(ChecksumError, match="chunk 3 checksum mismatch"):  # one array read outside a sample too
+        reader.read_array(1, "hidden/3", 0, int(reader._offsets[1][-1]))
+    assert TargetCacheDataset(url, layers=[7], check_threads=3)[len(ds) - 1]  # other arrays read fine
+
+
 def test_s3_round_trip_with_and_without_local_cache(tmp_path, moto):
     bucket = moto.bucket("loader-rt")
     parts = synthetic_parts()
@@ -134,6 +165,42 @@ def test_s3_round_trip_with_and_without_local_cache(tmp_path, moto):
     ds = TargetCacheDataset(url, storage_options=moto.storage_options)
     with pytest.raises(ChecksumError, match="p000001/hidden/3/c/0/0: chunk 0 checksum mismatch"):
         ds[6]
+
+
+def test_s3_read_ahead_keeps_requests_in_flight_and_reads_the_same_samples(moto, monkeypatch):
+    """A sampler's batch through __getitems__ with read_ahead 8 (arrays cut into 2,000-byte ranges):
+    the same samples as one request at a time, with more than one request in flight at once."""
+    import asyncio
+
+    dtype = "bfloat16"  # fp8's decode after the read is the local round trip's (same __getitems__)
+    bucket = moto.bucket("loader-read-ahead")
+    parts = synthetic_parts(parts=2)
+    url = write_store(f"s3://{bucket}/c.zarr", parts, dtype, "none", moto.storage_options)
+    want = expected(parts, dtype)
+    serial = TargetCacheDataset(url, storage_options=moto.storage_options, read_ahead=1)
+    ahead = TargetCacheDataset(url, storage_options=moto.storage_options, read_ahead=8, range_bytes=2000)
+    ahead[0]  # open the store and the shard indexes first: what follows is sample reads only
+    fs = ahead.reader._process_state()[2].fs
+    original, now, peak = fs._cat_file, [0], [0]
+
+    async def counting(*args, **kwargs):
+        now[0] += 1
+        peak[0] = max(peak[0], now[0])
+        try:
+            await asyncio.sleep(0.01)  # hold the slot a little, as a real network round trip does
+            return await original(*args, **kwargs)
+        finally:
+            now[0] -= 1
+
+    monkeypatch.setattr(fs, "_cat_file", counting)
+    for batch in ResumableBatchSampler(serial.lengths(), batch_size=5, seed=3):
+        got, ref = ahead.__getitems__(batch), serial.__getitems__(batch)
+        for i, g, r in zip(batch, got, ref):
+            assert g["sample_id"] == r["sample_id"] == want[i]["sample_id"]
+            for key in ("input_ids", "loss_mask", "hidden", "last_hidden"):
+                assert torch.equal(g[key], r[key]), (i, key)
+            assert torch.equal(g["hidden"][1], want[i][3]) and torch.equal(g["last_hidden"], want[i]["last"])
+    assert peak[0] > 1
 
 
 # ---- sampler ---------------------------------------------------------------------------------------
