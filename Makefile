@@ -48,12 +48,16 @@ embedded-target: setup
 	dvc repro target
 	rm -rf embedded && dvc push -r embedded target
 
+# Test files run on TEST_WORKERS processes (pytest-xdist), one whole file per worker (`loadfile`): a
+# module's expensive fixture, the end-to-end pipeline run above all, is built once.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Everything but the slow end-to-end tests, for a quick local loop.
 test-fast: setup
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 # Re-resolve every dependency in ONE pip run (torch pinned in the same command, or pip pulls CUDA).
 lock:

@@ -197,12 +197,31 @@ def small_cache(tmp_path_factory, trained_target) -> Path:
     return root / "cache.zarr"
 
 
+def pytest_collection_modifyitems(items):
+    """Longest files first: the end-to-end pipeline module, then files with slow tests (each file's
+    own order kept). Under `make test`'s pytest-xdist (one file per worker) the longest file then
+    starts at once instead of last."""
+    rank: dict[str, int] = {}
+    for item in items:
+        r = 0 if item.module.__name__.endswith("test_e2e_pipeline") else 1 if item.get_closest_marker("slow") else 2
+        rank[item.fspath] = min(rank.get(item.fspath, 2), r)
+    items.sort(key=lambda item: rank[item.fspath])
+
+
+E2E_TIMINGS: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    for name, value in report.user_properties:
+        if name == "e2e_timings":
+            E2E_TIMINGS.update(value)
+
+
 def pytest_terminal_summary(terminalreporter):
     """The end-to-end workflow timings, in every run's output (CI logs included), not only with -s."""
     import json
 
-    e2e = next((m for name, m in sys.modules.items() if name.endswith("test_e2e_pipeline")), None)
-    if e2e is not None and getattr(e2e, "TIMINGS", None):
+    if E2E_TIMINGS:
         terminalreporter.write_sep("-", "data-lake workflow timings (s) and facts")
         terminalreporter.write_line(json.dumps({k: round(v, 1) if isinstance(v, float) else v
-                                                for k, v in e2e.TIMINGS.items()}))
+                                                for k, v in E2E_TIMINGS.items()}))

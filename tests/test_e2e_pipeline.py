@@ -23,6 +23,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
 TIMINGS: dict[str, float] = {}
 
 
+@pytest.fixture(autouse=True)
+def report_timings(request):
+    """Hand TIMINGS to the test report: under pytest-xdist this module runs in a worker process and
+    only reports reach the process that prints the summary (tests/conftest.py)."""
+    yield
+    request.node.user_properties.append(("e2e_timings", dict(TIMINGS)))
+
+
 def dvc(repo: Path, *args: str, env=None, check=True, timeout=1800):
     t0 = time.time()
     out = run(["dvc", *args], repo, env=env or project_env(repo), check=check, timeout=timeout)
@@ -47,7 +55,7 @@ def pipeline(tmp_path_factory):
         assert f"Running stage '{stage}'" in out
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "pipeline outputs")
-    yield repo  # tests/conftest.py prints TIMINGS in pytest's terminal summary
+    yield repo
 
 
 @pytest.fixture(scope="module")
