@@ -12,6 +12,11 @@ Each section is one function registered with `@section`; `--only` runs a subset.
              passes and the bytes written stay small while what a build holds per row does not.
              With `--code DIR` the stage runs from another checkout (e.g. the previous commit's,
              `git worktree add` or `git archive | tar -x`) for a side-by-side table.
+  index      manifest/index bytes written vs parts, store open time and requests (local, moto S3)
+             vs parts, files per part and per TB: benchmarks/scale_index.py (its own options there).
+  s3         S3 read throughput vs requests in flight through a throttling proxy in front of moto:
+             benchmarks/scale_s3.py.
+The two delegated sections run as their own scripts (their options: `--help` of each).
 """
 from __future__ import annotations
 
@@ -178,6 +183,17 @@ def cache_rss(args) -> None:
     table(f"cache stage: peak RSS above post-import baseline vs regen rows (H=2560, part_tokens="
           f"{args.part_tokens}, max_length={args.max_length}, {args.row_chars}-char answers, fp8, layers [-1])",
           ["code", "rows", "samples", "parts", "baseline_MB", "above_MB", "vs_smallest", "wall_s"], rows)
+
+
+@section
+def index(args) -> None:
+    subprocess.run([sys.executable, str(REPO / "benchmarks/scale_index.py"),
+                    *(["--old-src", args.code] if args.code else [])], check=True)
+
+
+@section
+def s3(args) -> None:
+    subprocess.run([sys.executable, str(REPO / "benchmarks/scale_s3.py")], check=True)
 
 
 def main() -> None:
