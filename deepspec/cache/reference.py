@@ -277,20 +277,6 @@ def _refuse_existing(url: str, storage_options: dict | None) -> None:
         raise CacheFormatError(f"{url}: already holds a store; import writes a new store")
 
 
-def plan_parts(seq_len: np.ndarray, part_tokens: int) -> list[tuple[int, int]]:
-    """Record ranges [a, b) packed greedily in order up to part_tokens tokens (a longer sample gets
-    a part of its own), the packing rule of the cache stage."""
-    parts, start, tokens = [], 0, 0
-    for k, n in enumerate(seq_len.tolist()):
-        if k > start and tokens + n > part_tokens:
-            parts.append((start, k))
-            start, tokens = k, 0
-        tokens += n
-    if len(seq_len) > start:
-        parts.append((start, len(seq_len)))
-    return parts
-
-
 def _read_part(ref: ReferenceCache, records: np.ndarray, name: str, sample_ids: np.ndarray, dtype: str):
     from deepspec.cache.writer import PartData
 
@@ -353,7 +339,9 @@ def import_reference(src: str | Path, dst: str, target_dir: str | Path | None = 
         },
     }
     row_bytes = ref.hidden_size * (2 if dtype == "bfloat16" else 1)
-    plan = plan_parts(seq_len, max(1, min(part_tokens, shard_bytes // row_bytes)))
+    from deepspec.cache.build import pack_ranges  # the cache stage's packing rule
+
+    plan = pack_ranges(seq_len, max(1, min(part_tokens, shard_bytes // row_bytes)))
     writer = CacheWriter(dst, manifest, storage_options, queue_size=1, prune_stale=False)
     try:
         for p, (a, b) in enumerate(plan):
