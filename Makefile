@@ -48,18 +48,12 @@ embedded-target: setup
 	dvc repro target
 	rm -rf embedded && dvc push -r embedded target
 
-# Test files run on TEST_WORKERS processes (pytest-xdist), one whole file per worker (`loadfile`): a
-# module's expensive fixture, the end-to-end pipeline run above all, is built once. Files go out in
-# collection order (tests/conftest.py puts the longest first), not xdist's most-tests-first.
-TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
-
 test: setup
-	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Everything but the slow end-to-end tests, for a quick local loop.
 test-fast: setup
-	$(PY) -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # Re-resolve every dependency in ONE pip run (torch pinned in the same command, or pip pulls CUDA).
 lock:

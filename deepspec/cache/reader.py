@@ -112,6 +112,9 @@ class _Files:
             if cache_dir:  # fsspec's own block cache: byte ranges are kept on local disk
                 fs = fsspec.filesystem("blockcache", fs=fs, cache_storage=cache_dir)
             self.fs = fs
+            # the block cache forwards attributes it lacks to the wrapped filesystem, so it looks
+            # async (async_impl, _cat_file) and a coroutine read would go around the cache
+            self.async_reads = bool(getattr(fs, "async_impl", False)) and not cache_dir
         else:
             self.root = url.removeprefix("file://")
 
@@ -156,7 +159,7 @@ class _Files:
         any other (the block cache, local files) on threads."""
         if not self.remote or in_flight <= 1 or len(ranges) <= 1:
             return [self.read(*r) for r in ranges]
-        if not getattr(self.fs, "async_impl", False):
+        if not self.async_reads:
             from concurrent.futures import ThreadPoolExecutor
 
             with ThreadPoolExecutor(min(in_flight, len(ranges))) as pool:
