@@ -48,12 +48,23 @@ embedded-target: setup
 	dvc repro target
 	rm -rf embedded && dvc push -r embedded target
 
+# Test files run on TEST_WORKERS processes (pytest-xdist), one whole file per worker (`loadfile`): a
+# module's expensive fixture, the end-to-end pipeline run above all, is built once. Files go out in
+# collection order (tests/conftest.py puts the longest first), not xdist's most-tests-first.
+# Every process a test starts (workers, dvc stages, model servers) runs TEST_THREADS torch/OpenMP
+# threads: two workers of two spinning OpenMP threads each on 2 cores made the e2e `dvc repro` 3x
+# slower, and one thread is as fast for the suite's small models (13.8 vs 16.6 ms a speculative decode).
+TEST_WORKERS ?= 2
+TEST_THREADS ?= 1
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+TEST_ENV := OMP_NUM_THREADS=$(TEST_THREADS) MKL_NUM_THREADS=$(TEST_THREADS)
+
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # Everything but the slow end-to-end tests, for a quick local loop.
 test-fast: setup
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 # Re-resolve every dependency in ONE pip run (torch pinned in the same command, or pip pulls CUDA).
 lock:

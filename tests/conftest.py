@@ -197,6 +197,17 @@ def small_cache(tmp_path_factory, trained_target) -> Path:
     return root / "cache.zarr"
 
 
+def pytest_collection_modifyitems(items):
+    """Longest files first: the end-to-end pipeline module, then files with slow tests (each file's
+    own order kept). Under `make test`'s pytest-xdist (one file per worker) the longest file then
+    starts at once instead of last."""
+    rank: dict[str, int] = {}
+    for item in items:
+        r = 0 if item.module.__name__.endswith("test_e2e_pipeline") else 1 if item.get_closest_marker("slow") else 2
+        rank[item.fspath] = min(rank.get(item.fspath, 2), r)
+    items.sort(key=lambda item: rank[item.fspath])
+
+
 E2E_TIMINGS: dict = {}
 
 

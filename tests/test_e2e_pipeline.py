@@ -25,8 +25,8 @@ TIMINGS: dict[str, float] = {}
 
 @pytest.fixture(autouse=True)
 def report_timings(request):
-    """Hand TIMINGS to the test report: under pytest-xdist this module runs in a worker process and
-    only reports reach the process that prints the summary (tests/conftest.py)."""
+    """Hand TIMINGS to the test report; tests/conftest.py prints them in the terminal summary (the
+    report, unlike a module global, also reaches it from a worker process)."""
     yield
     request.node.user_properties.append(("e2e_timings", dict(TIMINGS)))
 
