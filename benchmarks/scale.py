@@ -16,7 +16,9 @@ Each section is one function registered with `@section`; `--only` runs a subset.
              vs parts, files per part and per TB: benchmarks/scale_index.py (its own options there).
   s3         S3 read throughput vs requests in flight through a throttling proxy in front of moto:
              benchmarks/scale_s3.py.
-The two delegated sections run as their own scripts (their options: `--help` of each).
+  dvc        `dvc add` / `dvc status` / `dvc push` (to moto) time vs files in a store, extrapolated
+             to the reference cache's file counts: benchmarks/scale_dvc.py.
+The delegated sections run as their own scripts (their options: `--help` of each).
 """
 from __future__ import annotations
 
@@ -194,6 +196,11 @@ def index(args) -> None:
 @section
 def s3(args) -> None:
     subprocess.run([sys.executable, str(REPO / "benchmarks/scale_s3.py")], check=True)
+
+
+@section
+def dvc(args) -> None:
+    subprocess.run([sys.executable, str(REPO / "benchmarks/scale_dvc.py")], check=True)
 
 
 def main() -> None:

@@ -57,7 +57,8 @@ def measure(files: int, size: int, moto) -> dict:
         for cmd in (["git", "init", "-q"], ["dvc", "init", "-q"], ["dvc", "config", "core.analytics", "false"]):
             subprocess.run(cmd, cwd=repo, env=env, check=True, capture_output=True)
         bucket = moto.server.bucket(f"dvc-{files}")
-        subprocess.run(["dvc", "remote", "add", "-d", "s3", f"s3://{bucket}/r"], cwd=repo, env=env, check=True)
+        subprocess.run(["dvc", "remote", "add", "-d", "s3", f"s3://{bucket}/r"], cwd=repo, env=env, check=True,
+                       capture_output=True)
         subprocess.run(["dvc", "remote", "modify", "s3", "endpointurl", moto.server.endpoint], cwd=repo, env=env,
                        check=True)
         make_store(repo / "store", files, size)

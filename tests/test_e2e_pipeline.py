@@ -109,22 +109,26 @@ def test_greedy_speculative_equals_plain_on_every_eval_prompt(pipeline):
     assert {r["suite"] for r in rows} == {"heldout", "humaneval", "mtbench"}
     assert any(r["turn"] == 1 for r in rows if r["suite"] == "mtbench")  # second turns too
     assert all(r["greedy_match"] for r in rows), [r for r in rows if not r["greedy_match"]][:3]
-    # and the whole held-out split, beyond the stage's subset (32 new tokens per turn: every prompt matters
-    # here, not the answer's length)
+    # and the rest of the held-out split, the prompts beyond the stage's subset (32 new tokens per
+    # turn: every prompt matters here, not the answer's length)
+    seen = sorted({r["id"] for r in rows if r["suite"] == "heldout"})
     code = (
         "import json, sys\n"
         "from pathlib import Path\n"
         "from deepspec.config import EvalConfig, SamplingConfig, SuiteConfig\n"
         "from deepspec.evaluate.run import evaluate\n"
         "from deepspec.evaluate.suites import load_suite\n"
-        "p = load_suite(SuiteConfig('heldout'), Path('data/split/eval.jsonl'))\n"
+        f"seen = set({seen!r})\n"
+        "every = load_suite(SuiteConfig('heldout'), Path('data/split/eval.jsonl'))\n"
+        "p = [q for q in every if q['id'] not in seen]\n"
         "m, rows = evaluate(Path('data/target'), Path('data/draft'), {'heldout': p}, EvalConfig(max_new_tokens=32, sample=False),"
         " SamplingConfig())\n"
-        "print(json.dumps({'n': len({r['id'] for r in rows}), 'match': all(r['greedy_match'] for r in rows),"
-        " 'tau': m['suites']['heldout']['tau']}))\n")
+        "print(json.dumps({'all': sorted(q['id'] for q in every), 'n': len({r['id'] for r in rows}),"
+        " 'match': all(r['greedy_match'] for r in rows)}))\n")
     out = run(["python", "-c", code], pipeline).stdout.strip().splitlines()[-1]
     res = json.loads(out)
-    assert res["n"] >= 80 and res["match"], res  # every distinct eval prompt
+    assert res["match"], res
+    assert len(res["all"]) >= 80 and res["n"] + len(seen) == len(res["all"]) and set(seen) <= set(res["all"])
 
 
 def test_share_through_the_remote(pipeline, remote, moto, tmp_path):
