@@ -149,13 +149,16 @@ def main() -> None:
     ap.add_argument("--cache", default="data/cache.zarr", help="an existing cache with real activations")
     ap.add_argument("--gb", type=float, default=1.05)
     ap.add_argument("--sample-tokens", type=int, default=1260)
-    ap.add_argument("--width", type=int, default=1920, help="hidden width of the benchmark rows")
+    ap.add_argument("--width", type=int, help="hidden width of the benchmark rows (default 1,920; --checks: "
+                    "2,560, the reference width)")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--s3", action="store_true", help="also read through moto_server on 127.0.0.1")
     ap.add_argument("--checks", action="store_true", help="only the checksum-cost comparison (synthetic rows)")
     args = ap.parse_args()
     if args.checks:
+        args.width = args.width or 2560
         return checks_cost(args)
+    args.width = args.width or 1920
     layers, flat = real_samples(args.cache, args.sample_tokens, args.width)
     H = flat["last"].shape[1]
     per_sample = args.sample_tokens * (6 + (len(layers) + 1) * H * 2)
