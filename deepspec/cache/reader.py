@@ -99,6 +99,7 @@ class _Files:
         self.retries = retries
         self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self.cached = self.async_reads = False
         if self.remote:
             import fsspec
 
@@ -113,7 +114,9 @@ class _Files:
                 fs = fsspec.filesystem("blockcache", fs=fs, cache_storage=cache_dir)
             self.fs = fs
             # the block cache forwards attributes it lacks to the wrapped filesystem, so it looks
-            # async (async_impl, _cat_file) and a coroutine read would go around the cache
+            # async (async_impl, _cat_file) and a coroutine read would go around the cache; and its
+            # metadata is not thread-safe (concurrent reads raise KeyError in fsspec): one at a time
+            self.cached = bool(cache_dir)
             self.async_reads = bool(getattr(fs, "async_impl", False)) and not cache_dir
         else:
             self.root = url.removeprefix("file://")
@@ -156,8 +159,8 @@ class _Files:
     def read_ranges(self, ranges: list[tuple[str, int, int | None]], in_flight: int) -> list[bytes]:
         """Many (key, start, end) ranges, up to `in_flight` requests at a time, each with read()'s
         retry rule. An async filesystem (s3fs, ...) runs them as coroutines on its own event loop;
-        any other (the block cache, local files) on threads."""
-        if not self.remote or in_flight <= 1 or len(ranges) <= 1:
+        another remote one on threads; local files and fsspec's block cache one after another."""
+        if not self.remote or self.cached or in_flight <= 1 or len(ranges) <= 1:
             return [self.read(*r) for r in ranges]
         if not self.async_reads:
             from concurrent.futures import ThreadPoolExecutor
@@ -237,7 +240,7 @@ class ShardReader:
         file's size is not needed), up to `in_flight` at a time. Only on an async filesystem; elsewhere
         index() reads each when first used."""
         todo = list({lay.key: lay for lay in layouts if lay.table is None and lay.key not in self._index}.values())
-        if len(todo) < 2 or not self.files.remote or not getattr(self.files.fs, "async_impl", False):
+        if len(todo) < 2 or not self.files.remote or not self.files.async_reads:
             return
         raws = self.files.read_ranges([(lay.key, -(16 * lay.n_chunks + 4), None) for lay in todo], in_flight)
         for lay, raw in zip(todo, raws):
