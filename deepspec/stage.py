@@ -1,6 +1,7 @@
 """What every `stages/*.py` entry point shares: params loading, logging, clean errors."""
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import sys
@@ -29,4 +30,18 @@ def run_stage(main: Callable[[Params], object], params_path: str = "params.yaml"
         main(load_params(params_path))
     except (ConfigError, StageError) as e:
         print(f"error: {e}", file=sys.stderr)
+        bound_exit()
         sys.exit(2)
+    except BaseException:
+        bound_exit()
+        raise
+
+
+# How long a failed stage's interpreter shutdown may take (threads joined, C++ destructors run).
+EXIT_GRACE_S = 60.0
+
+
+def bound_exit() -> None:
+    """A failed stage must end, or `dvc repro` and torchrun wait on it forever: if shutdown outlasts
+    EXIT_GRACE_S, every thread's stack goes to stderr and the process exits with status 1."""
+    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)

@@ -5,6 +5,7 @@ nccl on GPU). Resume state lives in data/train_state/ (not a DVC output, so DVC 
 checkpoints made under other params are set aside, then deleted once this run has saved one
 (README: "Training longer, and what a resume keeps").
 """
+import gc
 import json
 import os
 from pathlib import Path
@@ -32,16 +33,22 @@ def main(params):
     if cfg.algorithm == "eagle3" and cfg.layers is None and rank == 0:
         print(f"eagle3: train.layers not set, fusing cached layers {params.train_layers} (lowest, middle, highest "
               f"of {params.layers}); set train.layers to choose three others", flush=True)
+    final, error = None, None
     try:
         store = built_store_url(params.cache.url)  # cache.url itself, or the stage's store in an S3 lake
         final = run_training(cfg, params.train_layers, store, Path("data/target"), Path("data/draft"),
                              Path("data/train"), Path("data/train_state"), params.cache.storage_options,
                              rank, world, device)
     except (CacheFormatError, CheckpointError, TrainError) as e:
-        raise StageError(str(e)) from None
+        error = str(e)  # only the message: the exception's frames hold the trainer and its DDP module
     finally:
         if world > 1:
+            # Free what holds the process group (DDP, the trainer) while the interpreter is whole: left to
+            # interpreter shutdown, gloo's destructor joins its threads there and can hang the worker.
+            gc.collect()
             torch.distributed.destroy_process_group()
+    if error:
+        raise StageError(error)
     if rank == 0:
         print(json.dumps(final))
 
