@@ -15,43 +15,23 @@ first mismatch, so nothing unchecked leaves a `CacheReader.read` or a dataset it
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
-import threading
-import time
-from dataclasses import dataclass
 
 import numpy as np
 
 from deepspec.cache.backend import ArrayLayout, CacheStore, PartEntry, fletcher32_matches, open_cache, split_index
 from deepspec.cache.format import CacheFormatError, hidden_name, scale_name
-from deepspec.cache.store import is_remote, storage_options_for
+from deepspec.cache.ranges import ByteRanges, preadv_all
 
 from crc32c import crc32c as _crc32c
 
-MAX_OPEN_FILES = 256
 EMPTY = 2**64 - 1  # shard index marker of a chunk that was never written
 
-# A single preadv takes at most IOV_MAX buffers (1,024 on Linux); a read of more chunks is split.
 # Bytes of chunks one checksum-thread task checks: big enough that the task's overhead (a queue put,
 # a thread wake-up, the GIL taken twice) is small next to the crc32c (~0.2 ms), small enough that the
 # last array of a sample splits across the threads.
 CHECK_BYTES = 2 << 20
-
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
-
-
-def _preadv_all(fd: int, iov: list, offset: int) -> int:
-    """preadv over any number of buffers, IOV_MAX at a time; returns the bytes read (short on EOF)."""
-    got = 0
-    for i in range(0, len(iov), IOV_MAX):
-        batch = iov[i:i + IOV_MAX]
-        n = os.preadv(fd, batch, offset + got)
-        got += n
-        if n != sum(b.nbytes for b in batch):
-            break
-    return got
 
 
 class ChecksumError(CacheFormatError):
@@ -89,117 +69,10 @@ def _parse_layout(path: str, meta: dict) -> ArrayLayout | None:
                        row_bytes=dtype.itemsize * int(np.prod(meta["shape"][1:], dtype=np.int64)))
 
 
-class _Files:
-    """Byte-range access to store keys: pread on local files (an LRU of open fds), fsspec otherwise."""
-
-    def __init__(self, url: str, storage_options: dict | None, cache_dir: str | None = None,
-                 retries: int = 3, connections: int = 0):
-        self.url = url.rstrip("/")
-        self.remote = is_remote(url)
-        self.retries = retries
-        self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self._lock = threading.Lock()
-        self.cached = self.async_reads = False
-        if self.remote:
-            import fsspec
-
-            options = storage_options_for(url, storage_options)
-            if url.startswith("s3://") and connections > 10:
-                # botocore's connection pool (10 by default) would cap the requests in flight
-                config = dict(options.get("config_kwargs") or {})
-                config.setdefault("max_pool_connections", connections)
-                options["config_kwargs"] = config
-            fs, self.root = fsspec.core.url_to_fs(url, **options)
-            if cache_dir:  # fsspec's own block cache: byte ranges are kept on local disk
-                fs = fsspec.filesystem("blockcache", fs=fs, cache_storage=cache_dir)
-            self.fs = fs
-            # the block cache forwards attributes it lacks to the wrapped filesystem, so it looks
-            # async (async_impl, _cat_file) and a coroutine read would go around the cache; and its
-            # metadata is not thread-safe (concurrent reads raise KeyError in fsspec): one at a time
-            self.cached = bool(cache_dir)
-            self.async_reads = bool(getattr(fs, "async_impl", False)) and not cache_dir
-        else:
-            self.root = url.removeprefix("file://")
-
-    def _fd(self, key: str) -> int:
-        with self._lock:
-            fd = self._fds.pop(key, None)
-            if fd is None:
-                fd = os.open(os.path.join(self.root, key), os.O_RDONLY)
-                if len(self._fds) >= MAX_OPEN_FILES:
-                    os.close(self._fds.popitem(last=False)[1])
-            self._fds[key] = fd
-            return fd
-
-    def size(self, key: str) -> int:
-        if self.remote:
-            return int(self.fs.size(f"{self.root}/{key}"))
-        return os.fstat(self._fd(key)).st_size
-
-    def read(self, key: str, start: int, end: int) -> bytes:
-        if self.remote:
-            for attempt in range(self.retries + 1):
-                try:
-                    return self.fs.cat_file(f"{self.root}/{key}", start=start, end=end)
-                except FileNotFoundError:
-                    raise
-                except OSError:  # transient network/storage errors; s3fs maps most to OSError
-                    if attempt == self.retries:
-                        raise
-                    time.sleep(self._backoff(attempt))
-        data = os.pread(self._fd(key), end - start, start)
-        if len(data) != end - start:
-            raise CacheFormatError(f"{key}: short read ({len(data)} of {end - start} bytes at {start})")
-        return data
-
-    @staticmethod
-    def _backoff(attempt: int) -> float:
-        return 0.2 * 2 ** attempt
-
-    def read_ranges(self, ranges: list[tuple[str, int, int | None]], in_flight: int) -> list[bytes]:
-        """Many (key, start, end) ranges, up to `in_flight` requests at a time, each with read()'s
-        retry rule. An async filesystem (s3fs, ...) runs them as coroutines on its own event loop;
-        another remote one on threads; local files and fsspec's block cache one after another."""
-        if not self.remote or self.cached or in_flight <= 1 or len(ranges) <= 1:
-            return [self.read(*r) for r in ranges]
-        if not self.async_reads:
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(min(in_flight, len(ranges))) as pool:
-                return list(pool.map(lambda r: self.read(*r), ranges))
-        import asyncio
-
-        from fsspec.asyn import sync
-
-        async def fetch(gate, key: str, start: int, end: int) -> bytes:
-            async with gate:
-                for attempt in range(self.retries + 1):
-                    try:
-                        return await self.fs._cat_file(f"{self.root}/{key}", start=start, end=end)
-                    except FileNotFoundError:
-                        raise
-                    except OSError:
-                        if attempt == self.retries:
-                            raise
-                        await asyncio.sleep(self._backoff(attempt))
-
-        async def gather() -> list[bytes]:
-            gate = asyncio.Semaphore(in_flight)
-            return await asyncio.gather(*(fetch(gate, *r) for r in ranges))
-
-        return sync(self.fs.loop, gather)
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-
-
 class ShardReader:
     """Row ranges of single-shard arrays, read and checked without zarr-python on the hot path."""
 
-    def __init__(self, files: _Files, verify: bool = True, strict: bool = False, check_threads: int = 0):
+    def __init__(self, files: ByteRanges, verify: bool = True, strict: bool = False, check_threads: int = 0):
         self.files = files
         self.verify = verify
         self.check_threads = check_threads
@@ -291,7 +164,7 @@ class ShardReader:
 
     def read_rows_many(self, requests: list[tuple], in_flight: int, range_bytes: int) -> list[np.ndarray]:
         """read_rows for each (layout, start, stop, out) of `requests`, with their byte ranges (cut to
-        at most `range_bytes`) fetched up to `in_flight` at a time (_Files.read_ranges); each array
+        at most `range_bytes`) fetched up to `in_flight` at a time (ByteRanges.read_ranges); each array
         is then checked and decoded exactly as read_rows does."""
         self.prefetch_indexes([r[0] for r in requests if r[2] > r[1]], in_flight)
         plans, ranges = [], []
@@ -386,7 +259,7 @@ class ShardReader:
             iov.append(crc_view[4 * k:4 * k + 4])
             spans.append(parts)
         want = (c1 - c0 + 1) * (C * row_bytes + 4) + skipped  # uncompressed: every chunk is full size + trailer
-        got = _preadv_all(self.files._fd(layout.key), iov, base)
+        got = preadv_all(self.files._fd(layout.key), iov, base)
         if got != want:
             raise CacheFormatError(f"{layout.key}: short read ({got} of {want} bytes at {base})")
         if not self.verify:
@@ -518,7 +391,7 @@ class CacheReader:
     def _process_state(self):
         pid = os.getpid()
         if self._state is None or self._state[0] != pid:
-            files = _Files(self.url, self.storage_options, self.cache_dir, connections=self.read_ahead)
+            files = ByteRanges(self.url, self.storage_options, self.cache_dir, connections=self.read_ahead)
             self._state = (pid, self.store, files, ShardReader(files, self.verify, check_threads=self.check_threads), {})
         return self._state
 
