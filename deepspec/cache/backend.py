@@ -159,11 +159,18 @@ class ArrayLayout:
 
 @dataclass
 class ArraySpec:
-    """One array a writer hands to a backend: its values and its chunking."""
+    """One array a writer hands to a backend: its values and its chunking. A streamed array has no
+    `data`: its `shape` and `dtype` are given, and its rows arrive in order from the part's feed."""
     name: str
-    data: np.ndarray
+    data: np.ndarray | None
     chunk_rows: int
     codec: str = "none"
+    shape: tuple | None = None
+    dtype: np.dtype | None = None
+
+    def __post_init__(self):
+        if self.data is not None:
+            self.shape, self.dtype = tuple(self.data.shape), self.data.dtype
 
 
 class CacheStore(ABC):
@@ -279,11 +286,12 @@ class CacheStore(ABC):
 
     @abstractmethod
     def write_part(self, name: str, arrays: list[ArraySpec], attrs: dict, rank: int, lease,
-                   before=None) -> PartEntry:
+                   before=None, feed=None) -> PartEntry:
         """Create the part (never over an existing one: PartConflict), write every array, make it
         durable and commit it; `lease.check()` is called right before the commit. `before(part)`, if
         given, runs once the part exists and before its arrays are written: a derive links the
-        arrays it keeps from its source there (Zarr only; other backends refuse it)."""
+        arrays it keeps from its source there (Zarr only; other backends refuse it). The rows of the
+        arrays without `data` come from `feed`, an iterable of {array name: rows}, in order."""
 
     # ---- reading -----------------------------------------------------------------------------
     @abstractmethod

@@ -11,6 +11,7 @@ h5py, exactly as it reads a Zarr shard.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -47,19 +48,46 @@ def h5_compression(codec: str) -> dict:
     return dict(hdf5plugin.Blosc(cname=cfg["cname"], clevel=cfg["clevel"], shuffle=shuffle))
 
 
-def write_part_file(path: str, arrays: list[ArraySpec], attrs: dict) -> list[int]:
-    """Write one complete part file; returns [offset, nbytes, crc32c] of its chunk table."""
+def _spool(arrays: list[ArraySpec], feed, where: str) -> dict:
+    """The rows of the arrays without `data`, taken from `feed` batch by batch into one raw file
+    each beside the part file: HDF5 places a compressed dataset's chunks as they are written, so
+    the datasets are then written one after another, as a part handed over whole is, and the file
+    is byte-identical to it. Holds a batch in memory, the part on disk."""
+    import tempfile
+
+    streamed = [spec for spec in arrays if spec.data is None]
+    spools = {spec.name: tempfile.TemporaryFile(dir=where, prefix=".spool-") for spec in streamed}
+    taken = 0
+    for rows in feed:
+        for spec in streamed:
+            values = np.ascontiguousarray(rows[spec.name], dtype=np.dtype(spec.dtype).newbyteorder("<"))
+            spools[spec.name].write(memoryview(values).cast("B"))
+        taken += len(rows[streamed[0].name]) if streamed else 0
+    if streamed and taken != streamed[0].shape[0]:
+        for f in spools.values():
+            f.close()
+        raise CacheFormatError(f"{taken} of {streamed[0].shape[0]} rows fed to the part")
+    return spools
+
+
+def write_part_file(path: str, arrays: list[ArraySpec], attrs: dict, feed=None) -> list[int]:
+    """Write one complete part file; returns [offset, nbytes, crc32c] of its chunk table. The rows
+    of arrays without `data` come from `feed` ({name: rows} per batch, in order; _spool)."""
     import h5py
 
+    spools = _spool(arrays, feed, os.path.dirname(os.path.abspath(path))) if feed is not None else {}
     table: dict[str, dict] = {}
     # v110 objects (HDF5 >= 1.10 reads them): fixed-array chunk indexes and compact headers, a
     # fraction of the v1 B-trees the default "earliest" writes (~2 KB per dataset)
-    with h5py.File(path, "w", libver=("v110", "v110")) as f:
+    with contextlib.ExitStack() as stack, h5py.File(path, "w", libver=("v110", "v110")) as f:
+        for spool in spools.values():
+            stack.callback(spool.close)
         dsets = []
         for spec in arrays:
-            data = np.ascontiguousarray(spec.data)
-            rows = max(data.shape[0], 1)
-            chunks = (min(spec.chunk_rows, rows),) + data.shape[1:]
+            data = None if spec.data is None else np.ascontiguousarray(spec.data)
+            shape = tuple(spec.shape)
+            rows = max(shape[0], 1)
+            chunks = (min(spec.chunk_rows, rows),) + shape[1:]
             dcpl = None
             if spec.codec == "none":
                 # chunks allocated when the dataset is created: back to back in row order. Allocated
@@ -69,8 +97,17 @@ def write_part_file(path: str, arrays: list[ArraySpec], attrs: dict) -> list[int
                 dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
                 dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # every chunk is written right after
             # track_times off: the same part written twice is byte-identical (resume repeats a build)
-            d = f.create_dataset(spec.name, data=data, chunks=chunks, fletcher32=True, track_times=False,
-                                 dcpl=dcpl, **h5_compression(spec.codec))
+            d = f.create_dataset(spec.name, shape=shape, dtype=np.dtype(spec.dtype), data=data, chunks=chunks,
+                                 fletcher32=True, track_times=False, dcpl=dcpl, **h5_compression(spec.codec))
+            if data is None and shape[0]:  # from its spool, whole chunks at a time, in row order
+                dtype = np.dtype(spec.dtype).newbyteorder("<")
+                row_bytes = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
+                step = max(1, (64 << 20) // max(1, row_bytes * chunks[0])) * chunks[0]
+                spool = spools[spec.name]
+                for a in range(0, shape[0], step):
+                    n = min(step, shape[0] - a)
+                    spool.seek(a * row_bytes)
+                    d[a:a + n] = np.frombuffer(spool.read(n * row_bytes), dtype=dtype).reshape(n, *shape[1:])
             dsets.append((spec, d, chunks[0]))
         f.flush()
         raw = os.open(path, os.O_RDONLY)
@@ -80,7 +117,7 @@ def write_part_file(path: str, arrays: list[ArraySpec], attrs: dict) -> list[int
                                                          info.filter_mask)))
             entries.sort()
             table[spec.name] = {
-                "dtype": spec.data.dtype.newbyteorder("<").str, "shape": list(spec.data.shape),
+                "dtype": np.dtype(spec.dtype).newbyteorder("<").str, "shape": list(spec.shape),
                 "chunk_rows": chunk_rows, "blosc": spec.codec != "none",
                 "filtered": all(e[3] == 0 for e in entries),  # every chunk went through every filter
                 "chunks": [[e[1], e[2]] for e in entries],
@@ -314,7 +351,7 @@ class HDF5Store(CacheStore):
 
     # ---- writing -----------------------------------------------------------------------------
     def write_part(self, name: str, arrays: list[ArraySpec], attrs: dict, rank: int, lease,
-                   before=None) -> PartEntry:
+                   before=None, feed=None) -> PartEntry:
         if before is not None:  # one file per part: a derive re-encodes instead (derive.links_only)
             raise CacheFormatError(f"{self.url}: an HDF5 part cannot take arrays linked from another store")
         key = f"parts/{name}{SUFFIX}"
@@ -330,7 +367,7 @@ class HDF5Store(CacheStore):
         # the rows a Zarr commit record carries are the part file's own offsets/sample_id here
         attrs = {k: v for k, v in attrs.items() if k not in ("lengths", "sample_ids")}
         try:
-            where = write_part_file(tmp, arrays, attrs)
+            where = write_part_file(tmp, arrays, attrs, feed)
             if self.remote:
                 lease.check()  # never commit over the parts of a job that took the store over
                 try:  # If-None-Match: * (on CompleteMultipartUpload for a large file)

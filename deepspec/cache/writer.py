@@ -51,10 +51,71 @@ class PartData:
     # that puts them into the new part group (writer, group) before the part is committed
     copied: tuple = ()
     copy: object = None
+    # a streamed part: `hidden` stays empty and its rows arrive batch by batch through this feed
+    feed: "PartFeed | None" = None
+    # or, handed to submit(): an iterable of such batches ({layer: (bits, scale)}), which submit()
+    # streams through a feed in the calling thread
+    batches: object = None
 
     @property
     def tokens(self) -> int:
         return int(self.lengths.sum())
+
+
+class FeedAborted(Exception):
+    """The computing side gave up on a streamed part; the part is not committed."""
+
+
+class PartFeed:
+    """The hidden-state rows of one streamed part, handed from the thread that computes them to the
+    writer thread a batch at a time: {layer id or "last": (bits, scale)}, rows in store order.
+    At most `depth` batches wait, so a rank holds a few batches of a part, never the part."""
+
+    _END, _ABORT = object(), object()
+
+    def __init__(self, writer: "CacheWriter", layers: list, depth: int = 2):
+        self.writer, self.layers = writer, list(layers)
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+
+    def _put(self, item) -> None:
+        while True:  # a writer that failed no longer takes batches: its error is raised here
+            self.writer._raise_if_failed()
+            try:
+                self._queue.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def put(self, hidden: dict) -> None:
+        self._put(hidden)
+
+    def close(self) -> None:
+        """Every row was put: the writer finishes the part's shards and commits it."""
+        self._put(self._END)
+
+    def abort(self) -> None:
+        """The part will not be completed: the writer drops it uncommitted (never blocks)."""
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        try:
+            self._queue.put_nowait(self._ABORT)
+        except queue.Full:
+            pass
+
+    def arrays(self):
+        """{array name: rows} per batch, as the backends take them (writer thread)."""
+        while (item := self._queue.get()) is not self._END:
+            if item is self._ABORT:
+                raise FeedAborted("the part's computation stopped before its last batch")
+            out = {}
+            for layer, (bits, scale) in item.items():
+                out[hidden_name(layer)] = bits
+                if scale is not None:
+                    out[scale_name(layer)] = scale
+            yield out
 
 
 def manifest_mismatch(old: dict, new: dict) -> str | None:
@@ -113,6 +174,7 @@ class CacheWriter:
             self.release()
             raise
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._feeds: list[PartFeed] = []  # streamed parts not yet written
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="cache-writer", daemon=True)
         self._thread.start()
@@ -237,9 +299,33 @@ class CacheWriter:
 
     # ---- writing ------------------------------------------------------------------------------
     def submit(self, part: PartData) -> None:
-        """Hand a part to the background thread (blocks while `queue_size` parts are pending)."""
+        """Hand a part to the background thread (blocks while `queue_size` parts are pending). A part
+        with `batches` is streamed: they are drawn here and fed to the writer one by one."""
         self._raise_if_failed()
-        self._queue.put(part)
+        if part.batches is None:
+            self._queue.put(part)
+            return
+        batches, part.batches = part.batches, None
+        feed = self.stream(part)
+        try:
+            for batch in batches:
+                feed.put(batch)
+        except BaseException:
+            feed.abort()
+            raise
+        feed.close()
+
+    def stream(self, part: PartData, depth: int = 2) -> PartFeed:
+        """Start a streamed part (no `hidden` arrays: ids, lengths, input_ids and loss_mask only) and
+        return its feed: put() each batch's encoded hidden states in store order, then close() (or
+        abort()). The writer thread writes each batch to the part's shards as it arrives and commits
+        the part after close(). Call from the thread that submits parts."""
+        if part.hidden:
+            raise ValueError("a streamed part takes its hidden states from its feed, not from `hidden`")
+        part.feed = PartFeed(self, [*self.manifest.layers, "last"], depth)
+        self._feeds.append(part.feed)
+        self.submit(part)
+        return part.feed
 
     def close(self, consolidate: bool = True) -> None:
         """Wait for the pending parts; rank 0 then consolidates (pass False when other ranks are
@@ -251,12 +337,15 @@ class CacheWriter:
             self.write_manifest(rescan=True)
 
     def abort(self) -> None:
-        """Stop after the part being written; pending parts are dropped (they are not committed)."""
+        """Stop after the part being written; pending parts are dropped (they are not committed), and
+        so is a streamed part not yet closed."""
         while True:
             try:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
+        for feed in list(self._feeds):
+            feed.abort()
         self._queue.put(None)
         self._thread.join()
 
@@ -286,8 +375,11 @@ class CacheWriter:
                 continue
             try:
                 self.write_part(part)
-            except BaseException as e:  # surfaced to the producer on its next submit/close
+            except BaseException as e:  # surfaced to the producer on its next submit/close/put
                 self._error = e
+            finally:
+                if part.feed is not None:
+                    self._feeds.remove(part.feed)
 
     def part_specs(self, part: PartData) -> list[ArraySpec]:
         """Every array of a part, in format.part_arrays order, with its chunking and codec."""
@@ -303,6 +395,14 @@ class CacheWriter:
             specs.append(ArraySpec(hidden_name(layer), bits, chunk, codec))
             if scale is not None:
                 specs.append(ArraySpec(scale_name(layer), scale, TOKEN_CHUNK_1D))
+        if part.feed is not None:  # streamed: shapes known now, rows later
+            rows, width = part.tokens, int(self.manifest.hidden_size)
+            bits_dtype = np.dtype(np.uint16 if dtype == "bfloat16" else np.uint8)
+            for layer in part.feed.layers:
+                specs.append(ArraySpec(hidden_name(layer), None, chunk, codec, (rows, width), bits_dtype))
+                if dtype != "bfloat16":
+                    specs.append(ArraySpec(scale_name(layer), None, TOKEN_CHUNK_1D, "none", (rows,),
+                                           np.dtype(np.float32)))
         return specs
 
     def write_part(self, part: PartData) -> None:
@@ -319,7 +419,8 @@ class CacheWriter:
         if self.rank == 0 and not self._marked:
             self._mark()  # once per run, before the first commit: the root is not touched per part
         before = None if part.copy is None else (lambda group: part.copy(self, group))
-        entry = self.store.write_part(part.name, specs, attrs, self.rank, self.lease, before=before)
+        feed = None if part.feed is None else part.feed.arrays()
+        entry = self.store.write_part(part.name, specs, attrs, self.rank, self.lease, before=before, feed=feed)
         log.debug("committed part %s: %d samples, %d tokens", part.name, len(part.lengths), part.tokens)
         self._rows[part.name] = (lengths, ids)
         if self._committed is not None:

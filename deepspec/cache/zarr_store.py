@@ -18,36 +18,95 @@ log = logging.getLogger(__name__)
 INDEX_ARRAY = "index"  # the consolidated per-sample index, uint64 [samples, 4], one chunk (§3.1)
 
 
-def encode_shard(data: np.ndarray, chunk_rows: int, codec: str) -> bytes:
-    """One Zarr v3 shard holding all of `data`: every inner chunk (full size, the last padded with
-    zeros) little-endian, optionally Blosc-compressed, followed by its crc32c; then the index of
-    (offset, nbytes) pairs and the index's crc32c (docs/cache-format.md §6)."""
-    from crc32c import crc32c
+class ShardAppender:
+    """A Zarr v3 shard written front to back as rows arrive (docs/cache-format.md §6): every full inner
+    chunk is encoded (little-endian, optionally Blosc-compressed), followed by its crc32c, and
+    written to `sink` at once; `finish()` pads the last chunk with zeros and writes the index of
+    (offset, nbytes) pairs and the index's crc32c. Only a chunk's worth of rows is ever held, so a
+    part's shard is written without the part in memory. The bytes equal `encode_shard` of all rows."""
 
-    n = max(1, math.ceil(data.shape[0] / chunk_rows))
-    le = data.astype(data.dtype.newbyteorder("<"), copy=False)
-    if n * chunk_rows != data.shape[0]:
-        padded = np.zeros((n * chunk_rows, *data.shape[1:]), dtype=le.dtype)
-        padded[:data.shape[0]] = le
-        le = padded
-    flat = np.ascontiguousarray(le).reshape(n, -1)
-    blosc = None
-    if codec in BLOSC:
-        import numcodecs
+    def __init__(self, sink, rows: int, row_shape: tuple, dtype, chunk_rows: int, codec: str):
+        self.sink, self.rows, self.chunk_rows = sink, rows, chunk_rows
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.row_shape = tuple(row_shape)
+        self.n_chunks = max(1, math.ceil(rows / chunk_rows))
+        self.index = np.empty((self.n_chunks, 2), dtype="<u8")
+        self.written = 0   # rows taken
+        self._chunks = 0   # chunks written
+        self._offset = 0   # bytes written
+        self._carry: list[np.ndarray] = []  # rows of the chunk not yet full
+        self._carried = 0
+        self._blosc = None
+        if codec in BLOSC:
+            import numcodecs
 
-        cfg = BLOSC[codec]
-        blosc = numcodecs.Blosc(cname=cfg["cname"], clevel=cfg["clevel"], blocksize=cfg["blocksize"],
-                                shuffle={"shuffle": 1, "bitshuffle": 2}[cfg["shuffle"]], typesize=data.dtype.itemsize)
-    pieces, index, offset = [], np.empty((n, 2), dtype="<u8"), 0
-    for c in range(n):
-        body = blosc.encode(flat[c].view(np.uint8)) if blosc is not None else memoryview(flat[c]).cast("B")
-        pieces += [body, crc32c(body).to_bytes(4, "little")]
+            cfg = BLOSC[codec]
+            self._blosc = numcodecs.Blosc(cname=cfg["cname"], clevel=cfg["clevel"], blocksize=cfg["blocksize"],
+                                          shuffle={"shuffle": 1, "bitshuffle": 2}[cfg["shuffle"]],
+                                          typesize=self.dtype.itemsize)
+
+    def append(self, values: np.ndarray) -> None:
+        values = np.asarray(values)
+        if values.shape[1:] != self.row_shape:
+            raise CacheFormatError(f"rows of shape {values.shape[1:]} appended to an array of rows {self.row_shape}")
+        if self.written + len(values) > self.rows:
+            raise CacheFormatError(f"{self.written + len(values)} rows appended to an array of {self.rows}")
+        self.written += len(values)
+        values = values.astype(self.dtype, copy=False)
+        at = 0
+        if self._carried:  # complete the pending chunk first
+            take = min(len(values), self.chunk_rows - self._carried)
+            self._carry.append(values[:take])
+            self._carried += take
+            at = take
+            if self._carried < self.chunk_rows:
+                return
+            self._write_chunk(np.concatenate(self._carry))
+            self._carry, self._carried = [], 0
+        while len(values) - at >= self.chunk_rows:
+            self._write_chunk(values[at:at + self.chunk_rows])
+            at += self.chunk_rows
+        if at < len(values):
+            self._carry, self._carried = [values[at:].copy()], len(values) - at
+
+    def _write_chunk(self, rows: np.ndarray) -> None:
+        from crc32c import crc32c
+
+        flat = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
+        body = self._blosc.encode(flat) if self._blosc is not None else memoryview(flat)
+        self.sink.write(body)
+        self.sink.write(crc32c(body).to_bytes(4, "little"))
         size = len(body) + 4
-        index[c] = (offset, size)
-        offset += size
-    idx = index.tobytes()
-    pieces += [idx, crc32c(idx).to_bytes(4, "little")]
-    return b"".join(pieces)
+        self.index[self._chunks] = (self._offset, size)
+        self._chunks += 1
+        self._offset += size
+
+    def finish(self) -> None:
+        """The last (zero-padded) chunk, then the index: only once every row was appended."""
+        from crc32c import crc32c
+
+        if self.written != self.rows:
+            raise CacheFormatError(f"{self.written} of {self.rows} rows appended when the shard was closed")
+        if self._carried or self._chunks < self.n_chunks:  # no rows at all: one chunk of zeros
+            last = np.zeros((self.chunk_rows, *self.row_shape), dtype=self.dtype)
+            if self._carried:
+                last[:self._carried] = np.concatenate(self._carry)
+            self._write_chunk(last)
+            self._carry, self._carried = [], 0
+        idx = self.index.tobytes()
+        self.sink.write(idx)
+        self.sink.write(crc32c(idx).to_bytes(4, "little"))
+
+
+def encode_shard(data: np.ndarray, chunk_rows: int, codec: str) -> bytes:
+    """One Zarr v3 shard holding all of `data` (ShardAppender's bytes, in memory)."""
+    import io
+
+    buf = io.BytesIO()
+    shard = ShardAppender(buf, data.shape[0], data.shape[1:], data.dtype, chunk_rows, codec)
+    shard.append(data)
+    shard.finish()
+    return buf.getvalue()
 
 
 class ZarrStore(CacheStore):
@@ -69,7 +128,7 @@ class ZarrStore(CacheStore):
         return self._root
 
     def __getstate__(self):
-        return dict(self.__dict__, _root=None)
+        return dict(self.__dict__, _root=None, _wfs=None)
 
     # ---- manifest ----------------------------------------------------------------------------
     def root_attrs(self) -> dict:
@@ -99,7 +158,8 @@ class ZarrStore(CacheStore):
 
         rows = np.ascontiguousarray(rows, dtype="<u8").reshape(-1, 4)
         self._delete(INDEX_ARRAY)
-        self._array(self.root, INDEX_ARRAY, rows, max(len(rows), 1))
+        key, chunk_rows = self._create(self.root, ArraySpec(INDEX_ARRAY, rows, max(len(rows), 1)))
+        self._put(key, encode_shard(rows, chunk_rows, "none"))
         if not self.remote:
             path = local_path(self.url)
             fsync_tree(path / INDEX_ARRAY)
@@ -212,28 +272,84 @@ class ZarrStore(CacheStore):
         self._root = None
 
     # ---- writing -----------------------------------------------------------------------------
-    def _array(self, group: zarr.Group, name: str, data: np.ndarray, chunk_rows: int, codec: str = "none") -> None:
-        """zarr-python writes the array's metadata; the shard itself (the array's only file) is
-        encoded here in one pass and stored with one write. zarr-python's own shard writer pays
-        Python overhead per inner chunk (~6x slower than a raw write for narrow rows); the bytes
-        are identical (tests/cache/test_writer.py compares them)."""
+    def _create(self, group: zarr.Group, spec: ArraySpec) -> tuple[str, int]:
+        """zarr-python writes the array's metadata; returns the key of its one shard and the rows of
+        an inner chunk. The shard itself is encoded here (ShardAppender): zarr-python's own shard
+        writer pays Python overhead per inner chunk (~6x slower than a raw write for narrow rows);
+        the bytes are identical (tests/cache/test_writer.py compares them)."""
+        shape, dtype = tuple(spec.shape), np.dtype(spec.dtype)
+        rows = shape[0]
+        chunks = (min(spec.chunk_rows, max(rows, 1)),) + shape[1:]
+        shards = (math.ceil(max(rows, 1) / chunks[0]) * chunks[0],) + shape[1:]
+        codecs = inner_codecs(spec.codec, dtype.itemsize)
+        # never overwrite=True: that deletes what is there, which may be another writer's committed part
+        group.create_array(spec.name, shape=shape, dtype=dtype, chunks=chunks, shards=shards,
+                           serializer=codecs[0], compressors=codecs[1:], fill_value=0,
+                           config={"write_empty_chunks": True})
+        return f"{group.path}/{spec.name}/c/".lstrip("/") + "/".join("0" for _ in shape), chunks[0]
+
+    def _put(self, key: str, blob: bytes) -> None:
         from zarr.core.buffer import default_buffer_prototype
         from zarr.core.sync import sync
 
-        rows = data.shape[0]
-        chunks = (min(chunk_rows, max(rows, 1)),) + data.shape[1:]
-        shards = (math.ceil(max(rows, 1) / chunks[0]) * chunks[0],) + data.shape[1:]
-        codecs = inner_codecs(codec, data.dtype.itemsize)
-        # never overwrite=True: that deletes what is there, which may be another writer's committed part
-        group.create_array(name, shape=data.shape, dtype=data.dtype, chunks=chunks, shards=shards,
-                           serializer=codecs[0], compressors=codecs[1:], fill_value=0,
-                           config={"write_empty_chunks": True})
-        key = f"{group.path}/{name}/c/".lstrip("/") + "/".join("0" for _ in data.shape)
-        blob = encode_shard(data, chunks[0], codec)
         sync(self.root.store.set(key, default_buffer_prototype().buffer.from_bytes(blob)))
 
+    # bytes an S3 shard stream buffers before it uploads them as one part of its multipart upload
+    UPLOAD_BLOCK = 64 << 20
+
+    def _open_shard(self, key: str):
+        """Where a streamed shard's bytes go: its file, created, on a local store; on S3 a create-only
+        multipart upload (`If-None-Match: *` on its completion) that sends each UPLOAD_BLOCK as it
+        fills; elsewhere a local spool file, PUT when the shard is finished (_finish_shard)."""
+        import tempfile
+
+        if not self.remote:
+            path = local_path(self.url) / key
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return open(path, "xb")
+        if self.url.startswith("s3://"):
+            import fsspec
+
+            from deepspec.cache.store import storage_options_for
+
+            if getattr(self, "_wfs", None) is None:
+                self._wfs, self._wroot = fsspec.core.url_to_fs(self.url, **storage_options_for(self.url, self.storage_options))
+            return self._wfs.open(f"{self._wroot.rstrip('/')}/{key}", "xb", block_size=self.UPLOAD_BLOCK)
+        return tempfile.NamedTemporaryFile(prefix="deepspec-shard-")
+
+    def _finish_shard(self, key: str, sink) -> None:
+        """Make a finished shard durable/visible (a local file is fsynced with its part)."""
+        if not self.remote:
+            sink.close()
+        elif self.url.startswith("s3://"):
+            try:
+                sink.close()  # completes the upload
+            except OSError as e:
+                code = getattr(e.__cause__, "response", {}).get("Error", {}).get("Code")
+                if isinstance(e, FileExistsError) or code in ("PreconditionFailed", "412"):
+                    raise PartConflict(f"{self.url}: {key}: another writer created this object meanwhile; "
+                                       "not overwriting it (was this writer's lease taken over?)") from None
+                raise
+            finally:
+                self._wfs.invalidate_cache()
+        else:
+            sink.flush()
+            sink.seek(0)
+            self._put(key, sink.read())
+            sink.close()
+
+    @staticmethod
+    def _drop_shard(sink) -> None:
+        """A shard left unfinished: an S3 upload is aborted (nothing becomes visible), a file closed."""
+        if getattr(sink, "closed", True):
+            return
+        if hasattr(sink, "discard"):
+            sink.discard()
+        else:
+            sink.close()
+
     def write_part(self, name: str, arrays: list[ArraySpec], attrs: dict, rank: int, lease,
-                   before=None) -> PartEntry:
+                   before=None, feed=None) -> PartEntry:
         # a part is only ever created (on S3 by conditional PUTs, store.FencedS3Store): a name that
         # exists is an error, never an overwrite
         try:
@@ -243,8 +359,28 @@ class ZarrStore(CacheStore):
                                "rewritten") from None
         if before is not None:  # a derive links the arrays it keeps from its source into the new part
             before(group)
-        for spec in arrays:
-            self._array(group, spec.name, spec.data, spec.chunk_rows, spec.codec)
+        streamed = []
+        try:
+            for spec in arrays:
+                key, chunk_rows = self._create(group, spec)
+                if spec.data is not None:
+                    self._put(key, encode_shard(spec.data, chunk_rows, spec.codec))
+                    continue
+                sink = self._open_shard(key)
+                streamed.append((spec, key, sink, ShardAppender(sink, spec.shape[0], spec.shape[1:], spec.dtype,
+                                                                chunk_rows, spec.codec)))
+            if streamed:
+                # the part's streamed arrays take their rows batch by batch: what is held is a batch
+                # (and less than a chunk of each array), not the part
+                for rows in feed:
+                    for spec, _, _, shard in streamed:
+                        shard.append(rows[spec.name])
+                for spec, key, sink, shard in streamed:
+                    shard.finish()
+                    self._finish_shard(key, sink)
+        finally:
+            for _, _, sink, _ in streamed:
+                self._drop_shard(sink)
         if not self.remote:  # an S3 PUT is durable when it returns; a local file only once fsynced
             path = local_path(self.url)
             fsync_tree(path / "parts" / name)

@@ -9,6 +9,7 @@ is dropped with every part after it; corruption is named by part, array and chun
 """
 import hashlib
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -131,6 +132,57 @@ def test_a_part_that_exists_is_never_overwritten(where):
     assert {k: v for k, v in files(url, options).items() if "parts" in k} == \
         {k: v for k, v in before.items() if "parts" in k}
     expect_equal(CacheReader(url, options), [make_part("p000000", 1)])
+
+
+def stream(w: CacheWriter, part: PartData, cuts: list[int]) -> None:
+    """Hand `part` to the writer as the cache stage does (CacheWriter.stream): its hidden states in
+    batches of rows cut at `cuts`, which need not fall on chunk boundaries."""
+    header = PartData(part.name, part.sample_ids, part.lengths, part.input_ids, part.loss_mask)
+    feed = w.stream(header)
+    edges = [0, *cuts, part.tokens]
+    for a, b in zip(edges, edges[1:]):
+        feed.put({k: (bits[a:b], None if scale is None else scale[a:b]) for k, (bits, scale) in part.hidden.items()})
+    feed.close()
+
+
+@pytest.mark.parametrize("dtype,codec", [("bfloat16", "none"), ("fp8", "blosc-zstd")])
+def test_a_streamed_part_is_byte_identical_to_the_part_written_whole(where, dtype, codec):
+    """The stage writes a part's shards batch by batch, holding a batch, not the part; the files are
+    those of the part handed over whole."""
+    kind, url, options = where
+    parts = [make_part("p000000", 1, dtype, samples=5), make_part("p000001", 2, dtype, samples=1)]
+    write((kind, url + "-whole", options), parts, dtype=dtype, codec=codec)
+    with CacheWriter(url, manifest(kind, dtype=dtype, codec=codec), options) as w:
+        stream(w, parts[0], [1, 2, 9, parts[0].tokens - 3])  # chunk_tokens is 4: cuts inside chunks
+        stream(w, parts[1], [])
+    assert files(url, options) == files(url + "-whole", options)
+    expect_equal(CacheReader(url, options), parts)
+
+
+def test_a_streamed_part_stopped_midway_is_not_committed(where):
+    """The computation fails after a part's first batch: the writer drops that part, the store lists
+    the parts before it, and the rerun ends byte-identical to an uninterrupted build."""
+    kind, url, options = where
+    parts = [make_part(f"p{i:06d}", i + 1, samples=4) for i in range(3)]
+    write((kind, url + "-clean", options), parts)
+    w = CacheWriter(url, manifest(kind), options)
+    stream(w, parts[0], [5])
+    deadline = time.time() + 60
+    while "p000000" not in w.committed_parts():  # abort drops queued parts: let the first one commit
+        assert time.time() < deadline
+        time.sleep(0.02)
+    feed = w.stream(PartData(parts[1].name, parts[1].sample_ids, parts[1].lengths, parts[1].input_ids,
+                             parts[1].loss_mask))
+    feed.put({k: (bits[:6], scale) for k, (bits, scale) in parts[1].hidden.items()})
+    w.abort()  # what the stage does when a forward pass raises
+    w.release()
+    assert [p.name for p in CacheReader(url, options).manifest.parts] == ["p000000"]
+    with CacheWriter(url, manifest(kind), options) as w:
+        assert sorted(w.committed_parts()) == ["p000000"]
+        for p in parts[1:]:
+            stream(w, p, [3])
+    assert files(url, options) == files(url + "-clean", options)
+    expect_equal(CacheReader(url, options), parts)
 
 
 def test_an_interrupted_writer_resumes_to_a_byte_identical_store(where, tmp_path):

@@ -22,3 +22,38 @@ def test_encoded_shard_equals_zarr_python(tmp_path, dtype, shape, chunk, codec):
     arr[...] = data
     key = tmp_path / "a" / "c" / "/".join("0" for _ in shape)
     assert encode_shard(data, chunks[0], codec) == key.read_bytes()
+
+
+@pytest.mark.parametrize("codec", ["none", "blosc-lz4"])
+def test_a_shard_appended_in_uneven_batches_equals_the_shard_encoded_whole(codec):
+    """The streamed writer's appender holds less than a chunk between batches; the shard it writes
+    is the one encoded from all rows at once, whatever the batch boundaries."""
+    import io
+
+    from deepspec.cache.zarr_store import ShardAppender
+
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 1 << 16, size=(203, 24)).astype("uint16")
+    for cuts in ([], [1], [15, 16, 17], [5, 40, 41, 190], list(range(1, 203))):
+        buf = io.BytesIO()
+        shard = ShardAppender(buf, len(data), data.shape[1:], data.dtype, 16, codec)
+        for a, b in zip([0, *cuts], [*cuts, len(data)]):
+            shard.append(data[a:b])
+        shard.finish()
+        assert buf.getvalue() == encode_shard(data, 16, codec), cuts
+
+
+def test_a_shard_refuses_rows_beyond_or_short_of_its_shape():
+    import io
+
+    from deepspec.cache.format import CacheFormatError
+    from deepspec.cache.zarr_store import ShardAppender
+
+    shard = ShardAppender(io.BytesIO(), 10, (4,), np.uint16, 4, "none")
+    shard.append(np.zeros((6, 4), np.uint16))
+    with pytest.raises(CacheFormatError, match="11 rows appended to an array of 10"):
+        shard.append(np.zeros((5, 4), np.uint16))
+    with pytest.raises(CacheFormatError, match="6 of 10 rows"):
+        shard.finish()
+    with pytest.raises(CacheFormatError, match="rows of shape"):
+        shard.append(np.zeros((1, 5), np.uint16))
