@@ -197,29 +197,32 @@ def plan_parts(lengths: np.ndarray, owner: np.ndarray, existing, part_tokens: in
     if taken.intersection(numbers) or len(set(numbers)) != len(numbers):
         first = 1 + max(taken, default=-1)
         numbers = range(first, first + len(plan))
-    return [(f"p{n:06d}", rows) for n, (_, rows) in zip(numbers, plan)]
+    # within a part, samples are stored longest first (ties in input order): the order the forward
+    # batches take them in, so a part's shards are written batch by batch (compute_part)
+    return [(f"p{n:06d}", rows[np.lexsort((rows, -lengths[rows]))]) for n, (_, rows) in zip(numbers, plan)]
 
 
 def length_batches(samples: list[Sample], batch_tokens: int) -> list[list[int]]:
-    """Indices grouped so that (batch size x longest length) stays within batch_tokens."""
-    order = sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids))
-    batches, current = [], []
-    for i in order:
-        longest = len(samples[current[0]].input_ids) if current else len(samples[i].input_ids)
-        if current and longest * (len(current) + 1) > batch_tokens:
+    """Consecutive runs of `samples` (a part's samples come longest first, plan_parts) such that
+    batch size x longest length stays within batch_tokens."""
+    batches, current, longest = [], [], 0
+    for i, s in enumerate(samples):
+        n = len(s.input_ids)
+        if current and max(longest, n) * (len(current) + 1) > batch_tokens:
             batches.append(current)
-            current = []
+            current, longest = [], 0
         current.append(i)
+        longest = max(longest, n)
     if current:
         batches.append(current)
     return batches
 
 
-def compute_part(model, name: str, samples: list[Sample], layers: list[int], batch_tokens: int,
-                 pad_id: int, device: torch.device, dtype: str = "bfloat16") -> PartData:
-    """Forward passes for one part; hidden states come back already encoded (bf16 bits or fp8 +
-    scale), so the writer thread only checksums and writes."""
-    per_sample: list[dict | None] = [None] * len(samples)
+def forward_batches(model, samples: list[Sample], layers: list[int], batch_tokens: int, pad_id: int,
+                    device: torch.device, dtype: str = "bfloat16"):
+    """Forward passes over `samples` in order; yields each batch's hidden states, already encoded
+    ({layer or "last": (bits, scale)}, the batch's rows back to back in sample order), so the writer
+    thread only checksums and writes."""
     for batch in length_batches(samples, batch_tokens):
         longest = max(len(samples[i].input_ids) for i in batch)
         ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
@@ -229,20 +232,43 @@ def compute_part(model, name: str, samples: list[Sample], layers: list[int], bat
             ids[row, :n] = torch.tensor(samples[i].input_ids)
             mask[row, :n] = 1
         captured, last = forward_capture(model, ids.to(device), mask.to(device), layers)
-        for row, i in enumerate(batch):
-            n = len(samples[i].input_ids)  # right padding: a sample's rows are its first n positions
-            out = {layer: captured[layer][row, :n] for layer in layers}
-            out["last"] = last[row, :n]
-            per_sample[i] = out
-    keys = [*layers, "last"]
+        # right padding: a sample's rows are its first n positions
+        lengths = [len(samples[i].input_ids) for i in batch]
+        out = {}
+        for layer, values in [*((k, captured[k]) for k in layers), ("last", last)]:
+            out[layer] = encode_hidden(torch.cat([values[row, :n] for row, n in enumerate(lengths)]), dtype)
+        yield out
+
+
+def part_header(name: str, samples: list[Sample]) -> PartData:
+    """A part's ids, lengths, tokens and loss mask, in store order (its hidden states come apart)."""
     return PartData(
         name=name,
         sample_ids=np.array([s.sample_id for s in samples], dtype=np.uint64),
         lengths=np.array([len(s.input_ids) for s in samples], dtype=np.int64),
-        input_ids=np.concatenate([np.asarray(s.input_ids, dtype=np.int32) for s in samples]),
-        loss_mask=np.concatenate([np.asarray(s.loss_mask, dtype=np.uint8) for s in samples]),
-        hidden={k: encode_hidden(torch.cat([per_sample[i][k] for i in range(len(samples))]), dtype) for k in keys},
+        input_ids=np.concatenate([np.asarray(s.input_ids, dtype=np.int32) for s in samples]) if samples else
+        np.zeros(0, np.int32),
+        loss_mask=np.concatenate([np.asarray(s.loss_mask, dtype=np.uint8) for s in samples]) if samples else
+        np.zeros(0, np.uint8),
     )
+
+
+def compute_part(model, name: str, samples: list[Sample], layers: list[int], batch_tokens: int,
+                 pad_id: int, device: torch.device, dtype: str = "bfloat16", writer=None) -> PartData:
+    """Forward passes for one part, samples in the given (store) order. With a `writer` the part is
+    streamed (CacheWriter.submit of its `batches`): each batch goes to the part's shards as it is
+    computed, and the returned PartData has no hidden states; without one they are collected into it."""
+    part = part_header(name, samples)
+    batches = forward_batches(model, samples, layers, batch_tokens, pad_id, device, dtype)
+    if writer is None:
+        got = list(batches)
+        part.hidden = {k: (np.concatenate([b[k][0] for b in got]),
+                           None if got[0][k][1] is None else np.concatenate([b[k][1] for b in got]))
+                       for k in [*layers, "last"]}
+        return part
+    part.batches = batches
+    writer.submit(part)  # draws the batches (the forward passes) here, the writer thread writes them
+    return part
 
 
 def cache_manifest(cfg: CacheConfig, layers: list[int], ident: dict) -> dict:
@@ -384,11 +410,13 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
             if part is None:
                 model = get_model()
                 tf = time.time()
-                part = compute_part(model, name, samples, layers, cfg.batch_tokens, pad_id, device, cfg.dtype)
+                part = compute_part(model, name, samples, layers, cfg.batch_tokens, pad_id, device, cfg.dtype,
+                                    writer=writer)  # streamed: its batches are written as they come
                 forward_s += time.time() - tf
                 computed += 1
+            else:
+                writer.submit(part)
             del samples  # the next part's samples are tokenised before this name is rebound
-            writer.submit(part)
             bar.update(part.tokens)
         writer.close(consolidate=False)  # rank 0 consolidates once, below, after every rank
     except BaseException:

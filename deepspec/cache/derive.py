@@ -99,7 +99,9 @@ class Source:
         self.want = want
         self.link = links_only(self.manifest, want)
         self.remote = is_remote(url)
-        self.by_ids = {tuple(int(v) for v in ids): k for k, ids in enumerate(self.reader._ids)}
+        # a part is found by the set of its samples: stores written before parts were stored longest
+        # first hold the same parts in input order, and a derived part keeps its source's order
+        self.by_ids = {tuple(sorted(int(v) for v in ids)): k for k, ids in enumerate(self.reader._ids)}
         self.parts_derived = 0
         self.seconds = 0.0  # time spent deriving (reading, re-encoding, linking), in both threads
         self.methods: set[str] = set()
@@ -113,9 +115,11 @@ class Source:
     def part(self, name: str, samples) -> PartData | None:
         t0 = time.time()
         try:
-            k = self.by_ids.get(tuple(s.sample_id for s in samples))
+            k = self.by_ids.get(tuple(sorted(s.sample_id for s in samples)))
             if k is None:
                 return None
+            at = {s.sample_id: s for s in samples}
+            samples = [at[int(v)] for v in self.reader._ids[k]]  # in the source part's order
             lengths = np.diff(self.reader._offsets[k])
             if lengths.tolist() != [len(s.input_ids) for s in samples]:
                 return None
@@ -151,14 +155,26 @@ class Source:
             arrays = part_arrays(layers, dtype)
             part.copied, part.copy = tuple(arrays), partial(self._copy, r.parts[k], arrays)
             return part
-        for layer in [*layers, "last"]:
-            bits = r.read_array(k, hidden_name(layer), 0, tokens)
-            if self.manifest["dtype"] == dtype:  # a codec or chunking change: the values stay as they are
-                scale = r.read_array(k, scale_name(layer), 0, tokens) if dtype != "bfloat16" else None
-                part.hidden[layer] = (bits, scale)
-            else:  # bfloat16 -> fp8: the same function of the bfloat16 values the stage applies
-                part.hidden[layer] = encode_hidden(torch.from_numpy(bits).view(torch.bfloat16), dtype)
+        part.batches = self._reencoded(k, tokens, [*layers, "last"], dtype)  # streamed by writer.submit
         return part
+
+    # tokens of a part re-encoded at a time: a re-encode holds this much of a part, not the part
+    REENCODE_TOKENS = 65536
+
+    def _reencoded(self, k: int, tokens: int, keys: list, dtype: str):
+        r = self.reader
+        for a in range(0, max(tokens, 1), self.REENCODE_TOKENS):
+            b = min(tokens, a + self.REENCODE_TOKENS)
+            t0, out = time.time(), {}
+            for layer in keys:
+                bits = r.read_array(k, hidden_name(layer), a, b)
+                if self.manifest["dtype"] == dtype:  # a codec or chunking change: the values stay as they are
+                    scale = r.read_array(k, scale_name(layer), a, b) if dtype != "bfloat16" else None
+                    out[layer] = (bits, scale)
+                else:  # bfloat16 -> fp8: the same function of the bfloat16 values the stage applies
+                    out[layer] = encode_hidden(torch.from_numpy(bits).view(torch.bfloat16), dtype)
+            self.seconds += time.time() - t0
+            yield out
 
     # ---- linking (runs on the writer's thread, between the part's creation and its commit) --------
     def _copy(self, src_part: str, arrays: list[str], writer: CacheWriter, group) -> None:

@@ -100,6 +100,22 @@ def test_plan_fences_at_committed_samples_and_numbers_in_input_order():
     assert [(n, r.tolist()) for n, r in resumed] == [(n, r.tolist()) for n, r in full if n != "p000003"]
 
 
+def test_a_part_stores_its_samples_longest_first_and_is_forwarded_in_that_order():
+    """The order the stage's forward batches take (so a part streams to its shards batch by batch):
+    longest first, equal lengths in input order; which samples make a part is unchanged."""
+    from deepspec.cache.build import length_batches
+
+    lengths = np.array([3, 9, 5, 9, 1, 7, 30])
+    plan = plan_parts(lengths, np.full(7, -1), [], 26)
+    assert [(n, r.tolist()) for n, r in plan] == [("p000000", [1, 3, 2, 0]), ("p000001", [5, 4]), ("p000002", [6])]
+
+    class S:  # a Sample's length is all length_batches reads
+        def __init__(self, n):
+            self.input_ids = [0] * n
+    batches = length_batches([S(int(lengths[i])) for i in plan[0][1]], 20)
+    assert batches == [[0, 1], [2, 3]]  # consecutive: store order = batch order (9+9, then 5+3 padded to 10)
+
+
 def test_multi_rank_resume_equals_an_uninterrupted_multi_rank_build(tmp_path, trained_target, monkeypatch):
     rows = many_rows(1)
     clean = workdir(tmp_path / "clean", trained_target, rows)

@@ -22,17 +22,17 @@ def interrupted_build(work: Path, monkeypatch, fail_at: str = "p000003") -> str:
     """A build that stops while writing part `fail_at`: the parts before it are committed."""
     from deepspec.cache.zarr_store import ZarrStore
 
-    real = ZarrStore._array
+    real = ZarrStore._open_shard
 
-    def failing(self, group, name, data, chunk_rows, codec="none"):
-        if name.startswith("hidden") and group.path.endswith(fail_at):
+    def failing(self, key):  # the part's hidden shards are opened once its small arrays are written
+        if f"/{fail_at}/hidden" in f"/{key}":
             raise OSError(5, "Input/output error")
-        return real(self, group, name, data, chunk_rows, codec)
+        return real(self, key)
 
-    monkeypatch.setattr(ZarrStore, "_array", failing)
+    monkeypatch.setattr(ZarrStore, "_open_shard", failing)
     with pytest.raises(Exception, match="Input/output error"):
         build(work, part_tokens=200)
-    monkeypatch.setattr(ZarrStore, "_array", real)
+    monkeypatch.setattr(ZarrStore, "_open_shard", real)
     return str(work / "data" / "cache.zarr")
 
 
