@@ -12,6 +12,10 @@ Each section is one function registered with `@section`; `--only` runs a subset.
              passes and the bytes written stay small while what a build holds per row does not.
              With `--code DIR` the stage runs from another checkout (e.g. the previous commit's,
              `git worktree add` or `git archive | tar -x`) for a side-by-side table.
+  part_rss   the same peak RSS vs `cache.part_tokens` (--part-sizes) at a fixed forward batch
+             (--batch-tokens, default 1,024), for the last --rows value: the writer streams a
+             part's shards batch by batch, so it stays flat where a writer that holds parts grows
+             (compare with --code).
   index      manifest/index bytes written vs parts, store open time and requests (local, moto S3)
              vs parts, files per part and per TB: benchmarks/scale_index.py (its own options there).
   s3         S3 read throughput vs requests in flight through a throttling proxy in front of moto:
@@ -144,7 +148,7 @@ def run_cache(code: Path, root: Path, target: Path, rows: int, args) -> dict:
                 f.write(json.dumps(r) + "\n")
     spec = {"url": str(root / f"cache-{rows}-{code.name}.zarr"), "regen": str(regen), "warm": str(warm),
             "target": str(target),
-            "layers": [-1], "part_tokens": args.part_tokens, "batch_tokens": args.part_tokens,
+            "layers": [-1], "part_tokens": args.part_tokens, "batch_tokens": args.batch_tokens or args.part_tokens,
             "max_length": args.max_length, "dtype": "fp8", "threads": args.threads}
     env = dict(os.environ, PYTHONPATH=str(code), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
@@ -188,6 +192,40 @@ def cache_rss(args) -> None:
 
 
 @section
+def part_rss(args) -> None:
+    """Peak RSS vs part size at a fixed forward batch: a writer that holds a part (and queues more)
+    grows with part_tokens; one that streams a part's shards batch by batch does not."""
+    import copy
+
+    sizes = [int(s) for s in args.part_sizes.split(",")]
+    rows = int(args.rows.split(",")[-1])
+    codes = [("this", REPO)] + ([("--code", Path(args.code).resolve())] if args.code else [])
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
+        root = Path(tmp)
+        target = synthetic_target(root / "target")
+        for label, code in codes:
+            for size in sizes:
+                a = copy.copy(args)
+                a.part_tokens, a.batch_tokens = size, args.batch_tokens or 1024
+                r = run_cache(code, root, target, rows, a)
+                results[(label, size)] = r
+                print(f"  {label} part_tokens {size}: {json.dumps(r)}", file=sys.stderr)
+    table_rows = []
+    for label, _ in codes:
+        first = None
+        for size in sizes:
+            r = results[(label, size)]
+            above = (r["peak_kb"] - r["baseline_kb"]) / 1024
+            first = first if first is not None else above
+            table_rows.append([label, size, r["parts"], r["samples"], round(above, 1), f"{above / first:.2f}x",
+                               r["wall_s"]])
+    table(f"cache stage: peak RSS above post-import baseline vs part_tokens ({rows} rows, batch_tokens="
+          f"{args.batch_tokens or 1024}, H=2560, max_length={args.max_length}, fp8, layers [-1])",
+          ["code", "part_tokens", "parts", "samples", "above_MB", "vs_smallest", "wall_s"], table_rows)
+
+
+@section
 def index(args) -> None:
     subprocess.run([sys.executable, str(REPO / "benchmarks/scale_index.py"),
                     *(["--old-src", args.code] if args.code else [])], check=True)
@@ -210,6 +248,9 @@ def main() -> None:
     ap.add_argument("--row-chars", type=int, default=1000, help="cache_rss: characters of each answer")
     ap.add_argument("--max-length", type=int, default=24, help="cache_rss: tokens kept of each row")
     ap.add_argument("--part-tokens", type=int, default=1024, help="cache_rss: cache.part_tokens")
+    ap.add_argument("--batch-tokens", type=int, default=0, help="cache.batch_tokens (cache_rss: part_tokens; "
+                    "part_rss: 1,024)")
+    ap.add_argument("--part-sizes", default="2048,8192,32768", help="part_rss: cache.part_tokens values")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--code", help="cache_rss: also run the stage from this checkout, side by side")
     ap.add_argument("--child", help=argparse.SUPPRESS)
