@@ -185,6 +185,45 @@ def test_a_streamed_part_stopped_midway_is_not_committed(where):
     expect_equal(CacheReader(url, options), parts)
 
 
+def test_an_s3_shard_larger_than_an_upload_block_is_a_create_only_multipart_upload(moto, monkeypatch):
+    """A streamed shard goes to S3 as it is written, block by block (the reference's 5.4 GB hidden
+    shards exceed S3's 5 GB single PUT); completing the upload is conditional, so a shard that
+    exists is never replaced."""
+    import fsspec
+
+    from deepspec.cache.store import PartConflict, storage_options_for
+    from deepspec.cache.zarr_store import ZarrStore
+
+    monkeypatch.setattr(ZarrStore, "UPLOAD_BLOCK", 5 << 20)  # S3's smallest part
+    bucket = f"conf-{uuid.uuid4().hex[:12]}"
+    moto.bucket(bucket)
+    url = f"s3://{bucket}/store"
+    rng = np.random.default_rng(3)
+    lengths = np.array([200_000, 150_001], dtype=np.int64)
+    t = int(lengths.sum())  # 11.2 MB per hidden shard at H = 16
+    hidden = {k: (rng.integers(0, 1 << 16, (t, H)).astype(np.uint16), None) for k in [*LAYERS, "last"]}
+    part = PartData("p000000", np.array([7, 8], dtype=np.uint64), lengths, rng.integers(0, 4096, t).astype(np.int32),
+                    rng.integers(0, 2, t).astype(np.uint8), hidden)
+    with CacheWriter(url, manifest("zarr"), moto.storage_options) as w:
+        stream(w, part, [1, 99_999, 300_000])
+    expect_equal(CacheReader(url, moto.storage_options), [part])
+    fs, root = fsspec.core.url_to_fs(url, **storage_options_for(url, moto.storage_options))
+    key = f"parts/p000000/{hidden_name(0)}/c/0/0"
+    fs.invalidate_cache()
+    etag = fs.info(f"{root}/{key}")["ETag"]
+    assert etag.strip('"').endswith("-3")  # a multipart upload's ETag: 3 parts of <= 5 MB
+
+    store = ZarrStore(url, moto.storage_options, writable=True)
+    sink = store._open_shard(key)
+    sink.write(b"\0" * (11 << 20))
+    with pytest.raises(PartConflict, match="another writer created"):
+        store._finish_shard(key, sink)
+    store._drop_shard(sink)
+    fs.invalidate_cache()
+    assert fs.info(f"{root}/{key}")["ETag"] == etag
+    expect_equal(CacheReader(url, moto.storage_options), [part])
+
+
 def test_an_interrupted_writer_resumes_to_a_byte_identical_store(where, tmp_path):
     """A writer that dies right before committing its third part (the last lease check) leaves no
     listed part; the rerun writes the rest and the store equals an uninterrupted build."""
