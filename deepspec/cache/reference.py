@@ -277,19 +277,43 @@ def _refuse_existing(url: str, storage_options: dict | None) -> None:
         raise CacheFormatError(f"{url}: already holds a store; import writes a new store")
 
 
+# tokens of hidden states an import reads and hands to the writer at a time: a part is streamed
+IMPORT_BATCH_TOKENS = 65536
+
+
 def _read_part(ref: ReferenceCache, records: np.ndarray, name: str, sample_ids: np.ndarray, dtype: str):
+    """A part's header (ids, lengths, tokens, loss mask) read now; its hidden states as `batches`,
+    read a few records at a time when the writer streams the part (CacheWriter.submit)."""
     from deepspec.cache.writer import PartData
 
     lengths = records["seq_len"].astype(np.int64)
-    T, L, H = int(lengths.sum()), len(ref.layers), ref.hidden_size
-    raw = np.uint16 if ref.itemsize == 2 else np.uint8
+    T = int(lengths.sum())
     input_ids = np.empty(T, dtype=np.int32)
     loss_mask = np.empty(T, dtype=np.uint8)
-    hidden = np.empty((L + 1, T, H), dtype=raw)  # stored layers then last; filled in place
     pos = 0
     for rec, n in zip(records, lengths.tolist()):
         input_ids[pos:pos + n] = np.frombuffer(ref.read(rec, "input_ids", 4 * n), dtype="<i4")
         loss_mask[pos:pos + n] = np.frombuffer(ref.read(rec, "loss_mask", n), dtype=np.uint8)
+        pos += n
+    groups, start, tokens = [], 0, 0
+    for k, n in enumerate(lengths.tolist()):
+        if k > start and tokens + n > IMPORT_BATCH_TOKENS:
+            groups.append((start, k))
+            start, tokens = k, 0
+        tokens += n
+    groups.append((start, len(lengths)))
+    return PartData(name=name, sample_ids=sample_ids.astype(np.uint64), lengths=lengths, input_ids=input_ids,
+                    loss_mask=loss_mask, batches=(_read_hidden(ref, records[a:b], dtype) for a, b in groups))
+
+
+def _read_hidden(ref: ReferenceCache, records: np.ndarray, dtype: str) -> dict:
+    """The hidden states of consecutive records: {layer or "last": (bits, scale)}."""
+    lengths = records["seq_len"].astype(np.int64)
+    T, L, H = int(lengths.sum()), len(ref.layers), ref.hidden_size
+    raw = np.uint16 if ref.itemsize == 2 else np.uint8
+    hidden = np.empty((L + 1, T, H), dtype=raw)  # stored layers then last; filled in place
+    pos = 0
+    for rec, n in zip(records, lengths.tolist()):
         rows = np.frombuffer(ref.read(rec, "target_hidden_states", n * L * H * ref.itemsize),
                              dtype=np.dtype(raw).newbyteorder("<")).reshape(n, L, H)
         hidden[:L, pos:pos + n] = rows.transpose(1, 0, 2)
@@ -301,15 +325,14 @@ def _read_part(ref: ReferenceCache, records: np.ndarray, name: str, sample_ids: 
     ones = np.ones(T, dtype=np.float32) if dtype == "fp8" else None  # a plain cast: its scale is 1
     values = {layer: (hidden[k], ones) for k, layer in enumerate(ref.layers)}
     values["last"] = (hidden[L], ones)
-    return PartData(name=name, sample_ids=sample_ids.astype(np.uint64), lengths=lengths, input_ids=input_ids,
-                    loss_mask=loss_mask, hidden=values)
+    return values
 
 
 def import_reference(src: str | Path, dst: str, target_dir: str | Path | None = None, codec: str = "none",
                      chunk_tokens: int = 64, part_tokens: int = 65536, shard_bytes: int = 512 * 2**20,
                      storage_options: dict | None = None, storage: str = "zarr") -> dict:
     """A reference cache directory -> a new store at `dst` (`storage`: "zarr" or "hdf5"). Everything is checked before the first
-    part is written; parts are read one at a time (the writer holds at most one more)."""
+    part is written; a part's hidden states are read and written IMPORT_BATCH_TOKENS at a time (streamed)."""
     from deepspec.cache.writer import CacheWriter
 
     ref = ReferenceCache(src)

@@ -174,7 +174,11 @@ def test_export_is_read_by_a_reader_written_from_the_format_facts(small_cache, e
     assert ids.tolist() == [s["sample_id"] for s in ours]
 
 
-def test_export_then_import_round_trips_bitwise(small_cache, exported, tmp_path, trained_target):
+def test_export_then_import_round_trips_bitwise(small_cache, exported, tmp_path, trained_target, monkeypatch):
+    import deepspec.cache.reference as reference_mod
+
+    # a part's hidden states are read and streamed a few records at a time (never the part at once)
+    monkeypatch.setattr(reference_mod, "IMPORT_BATCH_TOKENS", 50)
     out = import_reference(exported, str(tmp_path / "back.zarr"))
     assert out["sample_ids"] == "deepspec_sample_ids.bin" and out["target_identity"] == "export manifest"
     assert_same_samples(loader_samples(small_cache), loader_samples(tmp_path / "back.zarr"))
