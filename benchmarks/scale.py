@@ -164,28 +164,38 @@ def run_cache(code: Path, root: Path, target: Path, rows: int, args) -> dict:
     return out
 
 
-@section
-def cache_rss(args) -> None:
-    sizes = [int(s) for s in args.rows.split(",")]
+def rss_sweep(args, sizes: list, run) -> tuple[list, dict]:
+    """`run(code, root, target, size)` for each size, with this checkout and `--code`'s, on one
+    synthetic target; returns the code labels and {(label, size): result} (each also on stderr)."""
     codes = [("this", REPO)] + ([("--code", Path(args.code).resolve())] if args.code else [])
+    results = {}
     with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
         root = Path(tmp)
         target = synthetic_target(root / "target")
-        results = {}
         for label, code in codes:
-            for n in sizes:
-                r = run_cache(code, root, target, n, args)
-                results[(label, n)] = r
-                print(f"  {label} {n} rows: {json.dumps(r)}", file=sys.stderr)
-    rows = []
-    for label, _ in codes:
+            for size in sizes:
+                results[(label, size)] = r = run(code, root, target, size)
+                print(f"  {label} {size}: {json.dumps(r)}", file=sys.stderr)
+    return [label for label, _ in codes], results
+
+
+def above_baseline(labels: list, sizes: list, results: dict):
+    """(label, size, result, MB above the baseline, that vs the smallest size) per run."""
+    for label in labels:
         first = None
-        for n in sizes:
-            r = results[(label, n)]
+        for size in sizes:
+            r = results[(label, size)]
             above = (r["peak_kb"] - r["baseline_kb"]) / 1024
             first = first if first is not None else above
-            rows.append([label, n, r["samples"], r["parts"], round(r["baseline_kb"] / 1024), round(above, 1),
-                         f"{above / first:.2f}x", r["wall_s"]])
+            yield label, size, r, round(above, 1), f"{above / first:.2f}x"
+
+
+@section
+def cache_rss(args) -> None:
+    sizes = [int(s) for s in args.rows.split(",")]
+    labels, results = rss_sweep(args, sizes, lambda code, root, target, n: run_cache(code, root, target, n, args))
+    rows = [[label, n, r["samples"], r["parts"], round(r["baseline_kb"] / 1024), above, ratio, r["wall_s"]]
+            for label, n, r, above, ratio in above_baseline(labels, sizes, results)]
     table(f"cache stage: peak RSS above post-import baseline vs regen rows (H=2560, part_tokens="
           f"{args.part_tokens}, max_length={args.max_length}, {args.row_chars}-char answers, fp8, layers [-1])",
           ["code", "rows", "samples", "parts", "baseline_MB", "above_MB", "vs_smallest", "wall_s"], rows)
@@ -198,31 +208,20 @@ def part_rss(args) -> None:
     import copy
 
     sizes = [int(s) for s in args.part_sizes.split(",")]
-    rows = int(args.rows.split(",")[-1])
-    codes = [("this", REPO)] + ([("--code", Path(args.code).resolve())] if args.code else [])
-    results = {}
-    with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
-        root = Path(tmp)
-        target = synthetic_target(root / "target")
-        for label, code in codes:
-            for size in sizes:
-                a = copy.copy(args)
-                a.part_tokens, a.batch_tokens = size, args.batch_tokens or 1024
-                r = run_cache(code, root, target, rows, a)
-                results[(label, size)] = r
-                print(f"  {label} part_tokens {size}: {json.dumps(r)}", file=sys.stderr)
-    table_rows = []
-    for label, _ in codes:
-        first = None
-        for size in sizes:
-            r = results[(label, size)]
-            above = (r["peak_kb"] - r["baseline_kb"]) / 1024
-            first = first if first is not None else above
-            table_rows.append([label, size, r["parts"], r["samples"], round(above, 1), f"{above / first:.2f}x",
-                               r["wall_s"]])
-    table(f"cache stage: peak RSS above post-import baseline vs part_tokens ({rows} rows, batch_tokens="
-          f"{args.batch_tokens or 1024}, H=2560, max_length={args.max_length}, fp8, layers [-1])",
-          ["code", "part_tokens", "parts", "samples", "above_MB", "vs_smallest", "wall_s"], table_rows)
+    n_rows = int(args.rows.split(",")[-1])
+    batch_tokens = args.batch_tokens or 1024
+
+    def run(code, root, target, size):
+        a = copy.copy(args)
+        a.part_tokens, a.batch_tokens = size, batch_tokens
+        return run_cache(code, root, target, n_rows, a)
+
+    labels, results = rss_sweep(args, sizes, run)
+    rows = [[label, size, r["parts"], r["samples"], above, ratio, r["wall_s"]]
+            for label, size, r, above, ratio in above_baseline(labels, sizes, results)]
+    table(f"cache stage: peak RSS above post-import baseline vs part_tokens ({n_rows} rows, batch_tokens="
+          f"{batch_tokens}, H=2560, max_length={args.max_length}, fp8, layers [-1])",
+          ["code", "part_tokens", "parts", "samples", "above_MB", "vs_smallest", "wall_s"], rows)
 
 
 @section

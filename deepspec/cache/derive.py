@@ -35,7 +35,7 @@ from deepspec.cache.format import (FORMAT, FORMAT_VERSION, READ_VERSIONS, CacheF
 from deepspec.cache.backend import open_cache
 from deepspec.cache.lease import acquire
 from deepspec.cache.reader import CacheReader
-from deepspec.cache.store import (PartConflict, fsync_path, is_remote, list_stores, local_path,
+from deepspec.cache.store import (PartConflict, fsync_path, is_remote, list_stores, local_path, refused_as_existing,
                                   store_key, storage_options_for)
 from deepspec.cache.writer import CacheWriter, PartData, manifest_mismatch
 
@@ -241,8 +241,7 @@ async def _s3_copy(store, src_path: str, dst_key: str) -> None:
         await fs._call_s3("copy_object", Bucket=bucket, Key=name, CopySource={"Bucket": src_bucket, "Key": src_name},
                           IfNoneMatch="*")
     except OSError as e:
-        code = getattr(e.__cause__, "response", {}).get("Error", {}).get("Code")
-        if isinstance(e, FileExistsError) or code in ("PreconditionFailed", "412"):
+        if refused_as_existing(e):
             raise PartConflict(f"{dst_key}: another writer created this object meanwhile; not overwriting it") \
                 from None
         raise

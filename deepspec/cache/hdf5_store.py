@@ -25,7 +25,8 @@ from crc32c import crc32c
 from deepspec.cache.backend import (PART_NAME, ArrayLayout, ArraySpec, CacheStore, Manifest, PartEntry,
                                     fletcher32_matches)
 from deepspec.cache.format import BLOSC, FORMAT, INDEX_COLUMNS, CacheFormatError
-from deepspec.cache.store import PartConflict, _durable_replace, fsync_path, local_path, storage_options_for
+from deepspec.cache.store import (PartConflict, _durable_replace, fsync_path, local_path, refused_as_existing,
+                                  storage_options_for)
 
 log = logging.getLogger(__name__)
 
@@ -373,8 +374,7 @@ class HDF5Store(CacheStore):
                 try:  # If-None-Match: * (on CompleteMultipartUpload for a large file)
                     self.fs.put_file(tmp, self._path(key), mode="create")
                 except OSError as e:
-                    code = getattr(e.__cause__, "response", {}).get("Error", {}).get("Code")
-                    if isinstance(e, FileExistsError) or code in ("PreconditionFailed", "412"):
+                    if refused_as_existing(e):
                         raise PartConflict(f"{self.url}: {key}: another writer created this part meanwhile; "
                                            "not overwriting it") from None
                     raise

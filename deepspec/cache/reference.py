@@ -295,13 +295,9 @@ def _read_part(ref: ReferenceCache, records: np.ndarray, name: str, sample_ids: 
         input_ids[pos:pos + n] = np.frombuffer(ref.read(rec, "input_ids", 4 * n), dtype="<i4")
         loss_mask[pos:pos + n] = np.frombuffer(ref.read(rec, "loss_mask", n), dtype=np.uint8)
         pos += n
-    groups, start, tokens = [], 0, 0
-    for k, n in enumerate(lengths.tolist()):
-        if k > start and tokens + n > IMPORT_BATCH_TOKENS:
-            groups.append((start, k))
-            start, tokens = k, 0
-        tokens += n
-    groups.append((start, len(lengths)))
+    from deepspec.cache.build import pack_ranges  # consecutive records of at most IMPORT_BATCH_TOKENS
+
+    groups = pack_ranges(lengths, IMPORT_BATCH_TOKENS)
     return PartData(name=name, sample_ids=sample_ids.astype(np.uint64), lengths=lengths, input_ids=input_ids,
                     loss_mask=loss_mask, batches=(_read_hidden(ref, records[a:b], dtype) for a, b in groups))
 

@@ -97,6 +97,13 @@ class PartConflict(CacheFormatError):
     pass
 
 
+def refused_as_existing(e: OSError) -> bool:
+    """An S3 create-only write (`If-None-Match: *`: PUT, copy, or a multipart upload's completion)
+    refused because the object exists: s3fs raises FileExistsError or carries the 412 response."""
+    code = getattr(e.__cause__, "response", {}).get("Error", {}).get("Code")
+    return isinstance(e, FileExistsError) or code in ("PreconditionFailed", "412")
+
+
 class FencedS3Store(FsspecStore):
     """An S3 store on which a writer only ever *creates* the objects of a part (`If-None-Match: *`)
     and only replaces an object it created itself (`If-Match` on the ETag it got back): the part
@@ -129,8 +136,7 @@ class FencedS3Store(FsspecStore):
             else:
                 await self.fs._pipe_file(path, data, mode="create")
         except OSError as e:
-            code = getattr(e.__cause__, "response", {}).get("Error", {}).get("Code")
-            if isinstance(e, (FileExistsError, FileNotFoundError)) or code in ("PreconditionFailed", "412"):
+            if isinstance(e, FileNotFoundError) or refused_as_existing(e):  # If-Match on a replaced object
                 raise PartConflict(f"{key}: another writer created or replaced this object meanwhile; "
                                    "not overwriting it (was this writer's lease taken over?)") from None
             raise

@@ -11,7 +11,8 @@ import zarr
 
 from deepspec.cache.backend import PART_NAME, ArrayLayout, ArraySpec, CacheStore, Manifest, PartEntry
 from deepspec.cache.format import BLOSC, FORMAT, INDEX_COLUMNS, CacheFormatError, inner_codecs
-from deepspec.cache.store import PartConflict, fsync_path, fsync_tree, local_path, open_root, open_store
+from deepspec.cache.store import (PartConflict, fsync_path, fsync_tree, local_path, open_root, open_store,
+                                  refused_as_existing, storage_options_for)
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class ZarrStore(CacheStore):
     def __init__(self, url: str, storage_options: dict | None = None, writable: bool = False):
         super().__init__(url, storage_options, writable)
         self._root = None
+        self._wfs = self._wroot = None  # S3: the filesystem streamed shards are uploaded with
 
     @property
     def root(self) -> zarr.Group:
@@ -310,9 +312,7 @@ class ZarrStore(CacheStore):
         if self.url.startswith("s3://"):
             import fsspec
 
-            from deepspec.cache.store import storage_options_for
-
-            if getattr(self, "_wfs", None) is None:
+            if self._wfs is None:
                 self._wfs, self._wroot = fsspec.core.url_to_fs(self.url, **storage_options_for(self.url, self.storage_options))
             return self._wfs.open(f"{self._wroot.rstrip('/')}/{key}", "xb", block_size=self.UPLOAD_BLOCK)
         return tempfile.NamedTemporaryFile(prefix="deepspec-shard-")
@@ -325,8 +325,7 @@ class ZarrStore(CacheStore):
             try:
                 sink.close()  # completes the upload
             except OSError as e:
-                code = getattr(e.__cause__, "response", {}).get("Error", {}).get("Code")
-                if isinstance(e, FileExistsError) or code in ("PreconditionFailed", "412"):
+                if refused_as_existing(e):
                     raise PartConflict(f"{self.url}: {key}: another writer created this object meanwhile; "
                                        "not overwriting it (was this writer's lease taken over?)") from None
                 raise
