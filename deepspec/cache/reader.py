@@ -6,12 +6,13 @@ Zarr v3 format: it caches each shard's index, reads a sample's contiguous chunk 
 `os.pread` (local) or one range request (fsspec), checks every chunk's crc32c and decodes with the
 array's own codec chain. Layouts it does not recognise are read through zarr-python instead.
 
-Checking costs about half as much CPU as reading the bytes from the page cache (crc32c ~9 GB/s,
-a page-cache copy ~4 GB/s on one core), so done in the reading thread it takes a third of a local
-read. With `check_threads` the checks of uncompressed local arrays run on a small thread pool
-(the crc32c package releases the GIL for large buffers): inside `ShardReader.deferred()` an array's
-checks overlap the read of the next array, and the block's exit waits for them and raises the
-first mismatch, so nothing unchecked leaves a `CacheReader.read` or a dataset item.
+Checking costs about half as much CPU as reading the bytes from the page cache (crc32c ~10-12 GB/s
+over memory not in the CPU's caches, a page-cache copy ~6 GB/s on one core), so done in the reading
+thread it takes a third of a local read. With `check_threads` the checks of uncompressed local
+arrays run on helper threads (deepspec/cache/checks.py; the crc32c package releases the GIL):
+inside `ShardReader.deferred()` an array's checks overlap the read of the next array, and the
+block's exit checks what is left on its own thread too, waits for the rest and raises the first
+mismatch, so nothing unchecked leaves a `CacheReader.read` or a dataset item.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import os
 import numpy as np
 
 from deepspec.cache.backend import ArrayLayout, CacheStore, PartEntry, fletcher32_matches, open_cache, split_index
+from deepspec.cache.checks import Batch, Checker, crc32c_concat
 from deepspec.cache.format import CacheFormatError, hidden_name, scale_name
 from deepspec.cache.ranges import ByteRanges, preadv_all
 
@@ -28,9 +30,9 @@ from crc32c import crc32c as _crc32c
 
 EMPTY = 2**64 - 1  # shard index marker of a chunk that was never written
 
-# Bytes of chunks one checksum-thread task checks: big enough that the task's overhead (a queue put,
-# a thread wake-up, the GIL taken twice) is small next to the crc32c (~0.2 ms), small enough that the
-# last array of a sample splits across the threads.
+# Bytes of chunks one checksum task checks: big enough that the task's overhead (a queue put, a
+# thread wake-up, the GIL taken twice) is small next to its crc32c (~0.2 ms), small enough that the
+# last array of a sample splits between a helper and the waiting thread.
 CHECK_BYTES = 2 << 20
 
 
@@ -76,8 +78,8 @@ class ShardReader:
         self.files = files
         self.verify = verify
         self.check_threads = check_threads
-        self._pool = None       # created on first use, in the process that reads
-        self._pending = None    # futures of checks still running, while a deferred() block is open
+        self._checker = None    # created on first use, in the process that reads
+        self._pending = None    # the checks.Batch of an open deferred() block
         # strict (`deepspec cache verify`): an HDF5 chunk's own Fletcher-32 is checked as well as
         # the crc32c recorded for it in the chunk table
         self.strict = strict
@@ -224,22 +226,23 @@ class ShardReader:
 
     def _scatter(self, layout: ArrayLayout, start: int, stop: int, c0: int, c1: int, base: int,
                  out: np.ndarray, gaps: np.ndarray | None = None) -> np.ndarray:
-        """Uncompressed local chunks: one preadv puts the requested rows straight into `out`
-        (rows of the first/last chunk outside the range, the checksum trailers and any bytes
-        between two chunks (`gaps`) go to scratch),
-        then every chunk's crc32c is computed over exactly the bytes the file holds and compared
-        with its trailer (Zarr) or with the chunk table's crc32c (HDF5, whose trailer is Fletcher-32):
-        in this thread, or on the checksum threads in tasks of about CHECK_BYTES."""
+        """Uncompressed local chunks: preadv puts the requested rows straight into `out` (rows of
+        the first/last chunk outside the range, the checksum trailers and any bytes between two
+        chunks (`gaps`) go to scratch), and the chunks are checked against their crc32c trailers
+        (Zarr) or the chunk table's crc32c (HDF5, whose trailer is Fletcher-32) a run of chunks at
+        a time (_check_run): after one preadv in this thread, or, with checksum threads, one
+        preadv per run of about CHECK_BYTES, each run's check handed off as soon as it is read."""
         C = layout.chunk_rows
         row_bytes = layout.row_bytes
         dst = memoryview(out.reshape(-1).view(np.uint8))
         lead_rows = start - c0 * C
         tail_rows = (c1 + 1) * C - stop
-        lead = bytearray(lead_rows * row_bytes)
-        tail = bytearray(tail_rows * row_bytes)
+        lead = memoryview(bytearray(lead_rows * row_bytes))
+        tail = memoryview(bytearray(tail_rows * row_bytes))
         crcs = bytearray(4 * (c1 - c0 + 1))
         crc_view = memoryview(crcs)
-        iov, spans = [], []
+        iov = []
+        ends = []  # per chunk: (iov entries, file bytes) up to the end of its trailer
         pos = 0  # byte position within `dst`
         skipped = 0
         for k, c in enumerate(range(c0, c1 + 1)):
@@ -248,71 +251,79 @@ class ShardReader:
             if k and gaps is not None and gaps[k - 1]:
                 iov.append(memoryview(bytearray(int(gaps[k - 1]))))
                 skipped += int(gaps[k - 1])
-            parts = []
             if k == 0 and lead_rows:
-                parts.append(memoryview(lead))
-            parts.append(dst[pos:pos + n])
+                iov.append(lead)
+            iov.append(dst[pos:pos + n])
             if k == c1 - c0 and tail_rows:
-                parts.append(memoryview(tail))
+                iov.append(tail)
             pos += n
-            iov += parts
             iov.append(crc_view[4 * k:4 * k + 4])
-            spans.append(parts)
-        want = (c1 - c0 + 1) * (C * row_bytes + 4) + skipped  # uncompressed: every chunk is full size + trailer
-        got = preadv_all(self.files._fd(layout.key), iov, base)
-        if got != want:
-            raise CacheFormatError(f"{layout.key}: short read ({got} of {want} bytes at {base})")
-        if not self.verify:
-            return out
-        if not self.check_threads or want < CHECK_BYTES // 8:  # a thread's overhead is not worth it for a few KB
-            self._check_chunks(layout, c0, spans, crcs, 0, len(spans))
-            return out
-        step = max(1, CHECK_BYTES // (C * row_bytes + 4))
-        jobs = [(layout, c0, spans, crcs, k, min(k + step, len(spans))) for k in range(0, len(spans), step)]
-        pending = [(self._checker().submit(self._check_chunks, *job, 1), job) for job in jobs]
-        if self._pending is not None:
-            self._pending.extend(pending)
-        else:
-            self._settle(pending)
+            ends.append((len(iov), (k + 1) * (C * row_bytes + 4) + skipped))
+        want = ends[-1][1]  # uncompressed: every chunk is full size + trailer
+        fd = self.files._fd(layout.key)
+        n_chunks = c1 - c0 + 1
+        threaded = self.verify and self.check_threads and want >= CHECK_BYTES // 8  # not worth a thread for a few KB
+        step = max(1, CHECK_BYTES // (C * row_bytes + 4)) if threaded else n_chunks
+        # chunk k's bytes: lead (k = 0) + dst[first[k]:first[k + 1]] + tail (last k)
+        first = [0] + [((c + 1) * C - start) * row_bytes for c in range(c0, c1)] + [pos]
+        batch = (self._pending or self._batch()) if threaded else None
+        run = None
+        for k in range(0, n_chunks, step):
+            # threaded: a run's check is handed off as soon as its bytes are in, so at the end of a
+            # read only the last run is left to check, not the whole array
+            (i0, b0), (i1, b1) = ends[k - 1] if k else (0, 0), ends[min(k + step, n_chunks) - 1]
+            got = preadv_all(fd, iov[i0:i1], base + b0)
+            if got != b1 - b0:
+                raise CacheFormatError(f"{layout.key}: short read ({b0 + got} of {want} bytes at {base})")
+            if not self.verify:
+                continue
+            run = run or (layout, c0, lead, dst, tail, first, crcs)
+            if batch is None:
+                self._check_run(*run, k, min(k + step, n_chunks))
+            else:
+                batch.submit(self._check_run, *run, k, min(k + step, n_chunks))
+        if batch is not None and batch is not self._pending:
+            batch.wait()
         return out
 
-    def _check_chunks(self, layout: ArrayLayout, c0: int, spans: list, crcs: bytearray, k0: int, k1: int,
-                      gil_release_mode: int = -1) -> None:
-        """Chunks k0..k1-1 of a `_scatter` read: crc32c over exactly the bytes the file holds."""
+    @staticmethod
+    def _check_run(layout: ArrayLayout, c0: int, lead: memoryview, dst: memoryview, tail: memoryview,
+                   first: list, trailers: bytearray, k0: int, k1: int) -> None:
+        """Chunks k0..k1-1 of a `_scatter` read: one crc32c over their bytes (at most three calls,
+        so the GIL is released once for the whole run) against the value their stored crc32cs
+        combine to (checks.crc32c_concat). A corrupt chunk is then found by checking each."""
+        if layout.crcs is not None:
+            stored = [int(x) for x in layout.crcs[c0 + k0:c0 + k1]]
+        else:
+            stored = np.frombuffer(trailers, "<u4", k1 - k0, 4 * k0).tolist()
+        last = len(first) - 2
+        pieces = [dst[first[k0]:first[k1]]]
+        if k0 == 0 and len(lead):
+            pieces.insert(0, lead)
+        if k1 == last + 1 and len(tail):
+            pieces.append(tail)
+        crc = 0
+        for p in pieces:
+            crc = _crc32c(p, crc)  # the package releases the GIL for all but small pieces
+        size = layout.chunk_rows * layout.row_bytes
+        if crc == crc32c_concat(stored, size):
+            return
         for k in range(k0, k1):
             crc = 0
-            for p in spans[k]:  # the first/last chunk is split between scratch and `out`
-                crc = _crc32c(p, crc, gil_release_mode)
-            want = int(layout.crcs[c0 + k]) if layout.crcs is not None else \
-                int.from_bytes(crcs[4 * k:4 * k + 4], "little")
-            if crc != want:
+            for p in ([lead] if k == 0 else []) + [dst[first[k]:first[k + 1]]] + ([tail] if k == last else []):
+                crc = _crc32c(p, crc)
+            if crc != stored[k - k0]:
                 raise ChecksumError(f"{layout.name or layout.key}: chunk {c0 + k} checksum mismatch (corrupt bytes)")
+        raise ChecksumError(f"{layout.name or layout.key}: chunks {c0 + k0}..{c0 + k1 - 1} checksum mismatch (corrupt bytes)")
 
     def set_check_threads(self, n: int) -> None:
         if n != self.check_threads:
-            self.check_threads, self._pool = n, None  # an idle old pool's threads end with it
+            self.check_threads, self._checker = n, None  # the old checker's threads end with it
 
-    def _checker(self):
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._pool = ThreadPoolExecutor(self.check_threads, thread_name_prefix="crc32c")
-        return self._pool
-
-    def _settle(self, pending: list) -> None:
-        """Wait for checks in read order; a check no thread has started yet runs here, so the
-        waiting thread works too. Raises the first mismatch in read order."""
-        first = None
-        for future, job in pending:
-            try:
-                if future.cancel():
-                    self._check_chunks(*job)
-                else:
-                    future.result()
-            except ChecksumError as e:
-                first = first or e
-        if first is not None:
-            raise first
+    def _batch(self) -> Batch:
+        if self._checker is None:
+            self._checker = Checker(self.check_threads)
+        return self._checker.batch()
 
     @contextlib.contextmanager
     def deferred(self):
@@ -321,16 +332,14 @@ class ShardReader:
         if self._pending is not None or not (self.verify and self.check_threads):
             yield
             return
-        self._pending = []
+        self._pending = self._batch()
         try:
             yield
         except BaseException:
-            pending, self._pending = self._pending, None
-            for future, _ in pending:
-                future.cancel()
+            self._pending = None  # its checks still run; nobody waits for them
             raise
-        pending, self._pending = self._pending, None
-        self._settle(pending)
+        batch, self._pending = self._pending, None
+        batch.wait()
 
 
 class CacheReader:
@@ -342,7 +351,9 @@ class CacheReader:
     reading thread.
     """
 
-    check_threads: int = min(4, os.cpu_count() or 1)
+    # one helper keeps up with one reading thread (crc32c runs at 2-3x a page-cache copy); a second
+    # only adds GIL hand-overs (benchmarks/loader.py --checks, checks_on_2t); a single CPU checks inline
+    check_threads: int = 1 if (os.cpu_count() or 1) > 1 else 0
     # remote stores: byte-range requests kept in flight by read_arrays (a sample's arrays, a batch's
     # samples), and the most bytes one request asks for (a large array is cut into several)
     read_ahead: int = 16

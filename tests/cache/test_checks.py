@@ -1,0 +1,118 @@
+"""Checksum work on helper threads (deepspec/cache/checks.py) and the reader's run-at-a-time crc32c
+checks: any corrupt byte of a chunk a read touches is named by its chunk, in every mode."""
+import gc
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from crc32c import crc32c
+
+import deepspec.cache.reader as reader_mod
+from deepspec.cache.checks import Checker, crc32c_concat
+from deepspec.cache.reader import CacheReader, ChecksumError
+from tests.loader.test_loader import H, synthetic_parts, write_store
+
+
+@pytest.mark.parametrize("size", [1, 7, 4096, 16 * H * 2])
+@pytest.mark.parametrize("count", [1, 2, 5])
+def test_crc32c_concat_is_the_crc32c_of_the_buffers_end_to_end(size, count):
+    bufs = [os.urandom(size) for _ in range(count)]
+    assert crc32c_concat([crc32c(b) for b in bufs], size) == crc32c(b"".join(bufs))
+
+
+def test_a_batch_raises_the_earliest_failure_in_submission_order():
+    checker = Checker(2)
+    batch = checker.batch()
+
+    def fail(msg, delay):
+        time.sleep(delay)
+        raise ValueError(msg)
+
+    batch.submit(lambda: None)
+    batch.submit(fail, "first", 0.2)  # fails last in time
+    batch.submit(fail, "second", 0.0)
+    with pytest.raises(ValueError, match="first"):
+        batch.wait()
+    batch.wait()  # a batch waited for is empty again
+
+
+def test_the_waiting_thread_checks_what_no_helper_has_started():
+    checker = Checker(1)
+    started, release = threading.Event(), threading.Event()
+    busy = checker.batch()
+    busy.submit(lambda: (started.set(), release.wait(30)))
+    assert started.wait(30)  # the only helper is now held
+    ran = []
+    batch = checker.batch()
+    for _ in range(3):
+        batch.submit(lambda: ran.append(threading.get_ident()))
+    batch.wait()  # returns although the helper never got to these
+    assert ran == [threading.get_ident()] * 3
+    release.set()
+    busy.wait()
+
+
+def test_helper_threads_end_with_their_checker():
+    before = {t for t in threading.enumerate() if t.name == "crc32c"}
+    checker = Checker(2)
+    threads = [t for t in threading.enumerate() if t.name == "crc32c" and t not in before]
+    assert len(threads) == 2
+    del checker
+    gc.collect()
+    for t in threads:
+        t.join(10)
+        assert not t.is_alive()
+
+
+CHUNK = 16 * H * 2 + 4  # chunk_tokens 16, bf16, crc32c trailer
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    parts = synthetic_parts(parts=1, samples=8)
+    url = write_store(str(tmp_path_factory.mktemp("checks") / "c.zarr"), parts)
+    shard = Path(url) / "parts" / "p000000" / "hidden" / "7" / "c" / "0" / "0"
+    return url, shard, shard.read_bytes()
+
+
+# (bytes to flip, the chunk named) for a read of rows 20..70: chunks 1..4, with rows 16..19 of
+# chunk 1 and rows 70..79 of chunk 4 read to scratch
+DAMAGE = {
+    "a row before the range in the first chunk": ([1 * CHUNK + 1 * H * 2 + 3], 1),
+    "inside a middle chunk": ([2 * CHUNK + 100], 2),
+    "a stored checksum": ([3 * CHUNK + 16 * H * 2 + 1], 3),
+    "a row after the range in the last chunk": ([4 * CHUNK + 11 * H * 2 + 5], 4),
+    "two chunks (the first in read order is named)": ([4 * CHUNK + 9, 2 * CHUNK + 9], 2),
+}
+
+
+@pytest.mark.parametrize("threads,run_chunks", [(0, None), (1, 1), (2, 2), (1, None)])
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_every_corrupt_byte_a_read_touches_is_named_by_its_chunk(store, monkeypatch, damage, threads, run_chunks):
+    url, shard, clean = store
+    if run_chunks:  # runs of one or two chunks, each checked by whichever thread takes it
+        monkeypatch.setattr(reader_mod, "CHECK_BYTES", run_chunks * CHUNK)
+    else:  # the default: one run for the whole read (not worth a thread at this size)
+        monkeypatch.setattr(reader_mod, "CHECK_BYTES", 64 << 20)
+    reader = CacheReader(url)
+    reader.set_check_threads(threads)
+    want, first = reader.read_array(0, "hidden/7", 20, 70), reader.read_array(0, "hidden/7", 0, 16)
+    positions, chunk = DAMAGE[damage]
+    data = bytearray(clean)
+    for p in positions:
+        data[p] ^= 0x04
+    try:
+        shard.write_bytes(bytes(data))
+        reader = CacheReader(url)
+        reader.set_check_threads(threads)
+        with pytest.raises(ChecksumError, match=rf"p000000/hidden/7/c/0/0: chunk {chunk} checksum mismatch"):
+            with reader.checked():
+                reader.read_array(0, "hidden/7", 20, 70)
+                reader.read_array(0, "hidden/3", 20, 70)  # a clean array read after it, same block
+        assert np.array_equal(reader.read_array(0, "hidden/7", 0, 16), first)  # chunk 0 is intact and reads
+    finally:
+        shard.write_bytes(clean)
+    assert np.array_equal(CacheReader(url).read_array(0, "hidden/7", 20, 70), want)
