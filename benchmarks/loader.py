@@ -25,8 +25,9 @@ page cache hot), side by side in one run, single process, uniformly random order
   mmap_copy   a flat file in the reference's record layout, mmapped, each tensor copied out
               (np.frombuffer(...).copy(), the reference dataset's reading style)
   checks_off  TargetCacheDataset(verify=False)
-  checks_on   TargetCacheDataset(verify=True), each array's crc32c checked on the reader's
-              checksum threads while the next array is read (`check_threads`)
+  checks_on   TargetCacheDataset(verify=True): each ~2 MB run of chunks read is checked by the
+              reader's checksum thread while the next run is read (`check_threads`, default 1)
+  checks_on_2t      the same with two checksum threads
   checks_on_inline  the same with check_threads=0: every chunk checked in the reading thread
 and whether the crc32c package releases the GIL (its GB/s in 1 and 2 threads). Each contender reads
 batches of `--batch` random samples (the dataset's __getitems__, as a DataLoader hands it a batch):
@@ -319,7 +320,7 @@ def checks_cost(args) -> None:
 
         contenders = {"mmap_copy": lambda batch: sum(read_mmap_copy(i) for i in batch)}
         for name, kw in (("checks_off", {"verify": False}), ("checks_on", {"verify": True}),
-                         ("checks_on_inline", {"verify": True, "check_threads": 0})):
+                         ("checks_on_inline", {"verify": True, "check_threads": 0}), ("checks_on_2t", {"verify": True, "check_threads": 2})):
             d = TargetCacheDataset(url, **kw)
             contenders[name] = (lambda d: lambda batch: sum(sample_bytes(s) for s in d.__getitems__(batch)))(d)
         results: dict = {b: {} for b in batches}
