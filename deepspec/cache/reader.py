@@ -264,24 +264,25 @@ class ShardReader:
         n_chunks = c1 - c0 + 1
         threaded = self.verify and self.check_threads and want >= CHECK_BYTES // 8  # not worth a thread for a few KB
         step = max(1, CHECK_BYTES // (C * row_bytes + 4)) if threaded else n_chunks
-        # chunk k's bytes: lead (k = 0) + dst[first[k]:first[k + 1]] + tail (last k)
-        first = [0] + [((c + 1) * C - start) * row_bytes for c in range(c0, c1)] + [pos]
+        if self.verify:
+            # chunk k's bytes: lead (k = 0) + dst[first[k]:first[k + 1]] + tail (last k)
+            first = [0] + [((c + 1) * C - start) * row_bytes for c in range(c0, c1)] + [pos]
+            run = (layout, c0, lead, dst, tail, first, crcs)
         batch = (self._pending or self._batch()) if threaded else None
-        run = None
         for k in range(0, n_chunks, step):
             # threaded: a run's check is handed off as soon as its bytes are in, so at the end of a
             # read only the last run is left to check, not the whole array
-            (i0, b0), (i1, b1) = ends[k - 1] if k else (0, 0), ends[min(k + step, n_chunks) - 1]
+            k1 = min(k + step, n_chunks)
+            (i0, b0), (i1, b1) = ends[k - 1] if k else (0, 0), ends[k1 - 1]
             got = preadv_all(fd, iov[i0:i1], base + b0)
             if got != b1 - b0:
                 raise CacheFormatError(f"{layout.key}: short read ({b0 + got} of {want} bytes at {base})")
             if not self.verify:
                 continue
-            run = run or (layout, c0, lead, dst, tail, first, crcs)
             if batch is None:
-                self._check_run(*run, k, min(k + step, n_chunks))
+                self._check_run(*run, k, k1)
             else:
-                batch.submit(self._check_run, *run, k, min(k + step, n_chunks))
+                batch.submit(self._check_run, *run, k, k1)
         if batch is not None and batch is not self._pending:
             batch.wait()
         return out
@@ -297,22 +298,16 @@ class ShardReader:
         else:
             stored = np.frombuffer(trailers, "<u4", k1 - k0, 4 * k0).tolist()
         last = len(first) - 2
-        pieces = [dst[first[k0]:first[k1]]]
-        if k0 == 0 and len(lead):
-            pieces.insert(0, lead)
-        if k1 == last + 1 and len(tail):
-            pieces.append(tail)
-        crc = 0
-        for p in pieces:
-            crc = _crc32c(p, crc)  # the package releases the GIL for all but small pieces
-        size = layout.chunk_rows * layout.row_bytes
-        if crc == crc32c_concat(stored, size):
+
+        def crc_of(a: int, b: int) -> int:  # chunks a..b-1, back to back
+            crc = _crc32c(lead) if a == 0 and len(lead) else 0
+            crc = _crc32c(dst[first[a]:first[b]], crc)  # the package releases the GIL for all but small pieces
+            return _crc32c(tail, crc) if b == last + 1 and len(tail) else crc
+
+        if crc_of(k0, k1) == crc32c_concat(stored, layout.chunk_rows * layout.row_bytes):
             return
         for k in range(k0, k1):
-            crc = 0
-            for p in ([lead] if k == 0 else []) + [dst[first[k]:first[k + 1]]] + ([tail] if k == last else []):
-                crc = _crc32c(p, crc)
-            if crc != stored[k - k0]:
+            if crc_of(k, k + 1) != stored[k - k0]:
                 raise ChecksumError(f"{layout.name or layout.key}: chunk {c0 + k} checksum mismatch (corrupt bytes)")
         raise ChecksumError(f"{layout.name or layout.key}: chunks {c0 + k0}..{c0 + k1 - 1} checksum mismatch (corrupt bytes)")
 
