@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import zarr
+from crc32c import crc32c
 
 from deepspec.cache.backend import PART_NAME, ArrayLayout, ArraySpec, CacheStore, Manifest, PartEntry
 from deepspec.cache.format import BLOSC, FORMAT, INDEX_COLUMNS, CacheFormatError, inner_codecs
@@ -71,8 +72,6 @@ class ShardAppender:
             self._carry, self._carried = [values[at:].copy()], len(values) - at
 
     def _write_chunk(self, rows: np.ndarray) -> None:
-        from crc32c import crc32c
-
         flat = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
         body = self._blosc.encode(flat) if self._blosc is not None else memoryview(flat)
         self.sink.write(body)
@@ -84,8 +83,6 @@ class ShardAppender:
 
     def finish(self) -> None:
         """The last (zero-padded) chunk, then the index: only once every row was appended."""
-        from crc32c import crc32c
-
         if self.written != self.rows:
             raise CacheFormatError(f"{self.written} of {self.rows} rows appended when the shard was closed")
         if self._carried or self._chunks < self.n_chunks:  # no rows at all: one chunk of zeros
@@ -156,8 +153,6 @@ class ZarrStore(CacheStore):
     def write_index(self, rows: np.ndarray) -> dict:
         """The index is an ordinary single-shard array `index` at the root whose only chunk is the
         whole array, so its rows are bytes [0, 32 n) of `index/c/0/0`."""
-        from crc32c import crc32c
-
         rows = np.ascontiguousarray(rows, dtype="<u8").reshape(-1, 4)
         self._delete(INDEX_ARRAY)
         key, chunk_rows = self._create(self.root, ArraySpec(INDEX_ARRAY, rows, max(len(rows), 1)))
