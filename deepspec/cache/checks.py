@@ -1,18 +1,21 @@
-"""Checksum tasks handed from a reading thread to helper threads for the price of a queue put.
+"""crc32c checks handed from a reading thread to helper threads (ShardReader._scatter).
 
-A ThreadPoolExecutor task costs ~80 us of the submitting and the waiting thread here (a Future and
-its condition, the idle-thread semaphore, two GIL hand-overs); at ~20 tasks per 30 MB sample that
-ate half of what checking on the second core saved (benchmarks/loader.py --checks: 0.72-0.80x of
-checks off, vs 0.90x for this on the same machine). A task here is one tuple on a C `SimpleQueue`.
-The helpers block in `get()` without the GIL; the thread that waits for a batch first runs every
-task no helper has taken yet, so the tail of a read is checked on two cores, not one.
+`checker(threads)` gives the native checker of deepspec/cache/_checker.c where it was built and the
+CPU has a crc32 instruction. Its threads never take the GIL and poll for ~2 ms before sleeping, so
+a hand-off costs the reading thread a mutex, not a wake-up: on a 2-vCPU VM a Python helper cost
+15-35 us per hand-off (a wake-up and two GIL hand-overs), and a sleeping native thread's wake-up
+~60 us, against ~0.1 ms for checking a 2 MB run (benchmarks/loader.py --checks; docs/scale.md).
 
-A batch raises the first failure in submission order, whichever thread ran it. A batch given up
-(its reader raised) needs no cleanup: its remaining tasks still run, and their results are dropped.
+The Python helpers below are the fallback (no C compiler at install, or no crc32 instruction). A
+task is one tuple on a C `SimpleQueue`; the helpers block in `get()` without the GIL.
 
-`crc32c_concat` lets a run of chunks be checked with one crc32c call over all their bytes: the
-GIL is released once per run, not once per 320 KB chunk, and each release is a chance for the
-reading thread to wait for it.
+Both kinds: the thread that waits for a batch first runs every task no helper has taken yet, so
+the tail of a read is checked on two cores, not one; a batch raises the first mismatch in
+submission order, whichever thread ran it; a batch given up (its reader raised) needs no cleanup.
+
+A run of chunks is checked with one crc32c call over all its bytes against `crc32c_concat` of
+their stored CRCs (Python: the GIL is released once per run, not once per 320 KB chunk), or chunk
+by chunk in C; either way a mismatch names the first bad chunk.
 """
 from __future__ import annotations
 
@@ -22,7 +25,16 @@ import threading
 import weakref
 from collections.abc import Sequence
 
+import numpy as np
+
 from crc32c import crc32c as _crc32c
+
+from deepspec.cache.format import CacheFormatError
+
+try:
+    from deepspec.cache import _checker as native
+except ImportError:  # installed without a C compiler
+    native = None
 
 
 @functools.lru_cache(maxsize=32)
@@ -65,6 +77,54 @@ def _run(task: tuple) -> None:
         done.put((i, None))
 
 
+class ChecksumError(CacheFormatError):
+    pass
+
+
+def mismatch(name: str, chunk: int) -> ChecksumError:
+    return ChecksumError(f"{name}: chunk {chunk} checksum mismatch (corrupt bytes)")
+
+
+def _chunks(segments: Sequence, chunk_bytes: int):
+    """The buffers end to end, cut into chunks of chunk_bytes: per chunk, its pieces."""
+    pieces, left = [], chunk_bytes
+    for seg in segments:
+        seg = memoryview(seg).cast("B")
+        while len(seg):
+            take = min(left, len(seg))
+            pieces.append(seg[:take])
+            seg, left = seg[take:], left - take
+            if not left:
+                yield pieces
+                pieces, left = [], chunk_bytes
+
+
+def first_bad(stored, chunk_bytes: int, segments: Sequence) -> int:
+    """The first chunk of `segments` (end to end, chunks of chunk_bytes) whose crc32c differs from
+    its entry in `stored` (little-endian uint32s), or -1. One crc32c over the whole run against
+    crc32c_concat of the stored values (the GIL is released once, not once per chunk); only a
+    mismatch checks chunk by chunk."""
+    want = np.frombuffer(stored, "<u4").tolist()
+    crc = 0
+    for seg in segments:
+        crc = _crc32c(seg, crc)
+    if crc == crc32c_concat(want, chunk_bytes):
+        return -1
+    for j, pieces in enumerate(_chunks(segments, chunk_bytes)):
+        crc = 0
+        for piece in pieces:
+            crc = _crc32c(piece, crc)
+        if crc != want[j]:
+            return j
+    raise AssertionError("a run's crc32c differs while each chunk's matches")  # crc32c_concat is exact
+
+
+def _check(stored, chunk_bytes: int, segments: Sequence, name: str, first: int) -> None:
+    bad = first_bad(stored, chunk_bytes, segments)
+    if bad >= 0:
+        raise mismatch(name, first + bad)
+
+
 def _serve(tasks: queue.SimpleQueue) -> None:
     while (task := tasks.get()) is not None:
         _run(task)
@@ -86,6 +146,12 @@ class Batch:
     def submit(self, fn, *args) -> None:
         self._tasks.put((self._done, self._n, fn, args))
         self._n += 1
+
+    def check(self, stored, chunk_bytes: int, segments: Sequence, name: str, first: int) -> None:
+        """Chunks `first`, first + 1, ... of array `name` are `segments` end to end, chunk_bytes
+        each, and must match their crc32cs in `stored` (little-endian uint32s); wait() raises a
+        ChecksumError naming the first that does not."""
+        self.submit(_check, stored, chunk_bytes, segments, name, first)
 
     def wait(self) -> None:
         """Run what no helper has started (of any batch: a task only ever reports to its own), then
@@ -122,3 +188,39 @@ class Checker:
 
     def batch(self) -> Batch:
         return Batch(self._tasks)
+
+
+class NativeBatch:
+    """Batch.check on the native checker's threads."""
+
+    def __init__(self, batch):
+        self._batch = batch
+        self._names: list = []
+
+    def check(self, stored, chunk_bytes: int, segments: Sequence, name: str, first: int) -> None:
+        self._batch.submit(stored, chunk_bytes, *segments)
+        self._names.append((name, first))
+
+    def wait(self) -> None:
+        failed, names, self._names = self._batch.wait(), self._names, []
+        if failed:
+            task, bad = failed[0]
+            name, first = names[task]
+            raise mismatch(name, first + bad)
+
+
+class NativeChecker:
+    def __init__(self, threads: int):
+        self._checker = native.Checker(threads)
+
+    def batch(self) -> NativeBatch:
+        return NativeBatch(self._checker.batch())
+
+
+def checker(threads: int, use_native: bool | None = None) -> Checker | NativeChecker:
+    """Helpers for `threads` checking threads: native where available (or `use_native`), else Python."""
+    if use_native is None:
+        use_native = native is not None and native.HARDWARE
+    if use_native and native is None:
+        raise RuntimeError("deepspec.cache._checker was not built (no C compiler when deepspec was installed)")
+    return NativeChecker(threads) if use_native else Checker(threads)

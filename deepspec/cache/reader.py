@@ -9,10 +9,12 @@ array's own codec chain. Layouts it does not recognise are read through zarr-pyt
 Checking costs about half as much CPU as reading the bytes from the page cache (crc32c ~10-12 GB/s
 over memory not in the CPU's caches, a page-cache copy ~6 GB/s on one core), so done in the reading
 thread it takes a third of a local read. With `check_threads` the checks of uncompressed local
-arrays run on helper threads (deepspec/cache/checks.py; the crc32c package releases the GIL):
-inside `ShardReader.deferred()` an array's checks overlap the read of the next array, and the
-block's exit checks what is left on its own thread too, waits for the rest and raises the first
-mismatch, so nothing unchecked leaves a `CacheReader.read` or a dataset item.
+arrays run on helper threads (deepspec/cache/checks.py: native threads that never take the GIL,
+or Python threads where the C checker was not built): an array is read in runs and each run's
+check overlaps the read of the next; inside `ShardReader.deferred()` the checks of one array
+overlap the reads of the next array too. The block's exit checks what is left on its own thread
+as well, waits for the rest and raises the first mismatch, so nothing unchecked leaves a
+`CacheReader.read` or a dataset item.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import os
 import numpy as np
 
 from deepspec.cache.backend import ArrayLayout, CacheStore, PartEntry, fletcher32_matches, open_cache, split_index
-from deepspec.cache.checks import Batch, Checker, crc32c_concat
+from deepspec.cache.checks import Batch, ChecksumError, NativeBatch, checker, first_bad, mismatch
 from deepspec.cache.format import CacheFormatError, hidden_name, scale_name
 from deepspec.cache.ranges import ByteRanges, preadv_all
 
@@ -30,14 +32,11 @@ from crc32c import crc32c as _crc32c
 
 EMPTY = 2**64 - 1  # shard index marker of a chunk that was never written
 
-# Bytes of chunks one checksum task checks: big enough that the task's overhead (a queue put, a
-# thread wake-up, the GIL taken twice) is small next to its crc32c (~0.2 ms), small enough that the
-# last array of a sample splits between a helper and the waiting thread.
+# Bytes of chunks one checksum task checks: big enough that a task's overhead (a few us native; a
+# queue put and two GIL hand-overs on Python threads) is small next to its crc32c (~0.1 ms), small
+# enough that the last array of a sample splits between a helper and the waiting thread.
+# Runs of 1-8 MB measured the same on the native checker (benchmarks/loader.py --checks).
 CHECK_BYTES = 2 << 20
-
-
-class ChecksumError(CacheFormatError):
-    pass
 
 
 ShardLayout = ArrayLayout  # the name verify and older callers use
@@ -230,7 +229,7 @@ class ShardReader:
         the first/last chunk outside the range, the checksum trailers and any bytes between two
         chunks (`gaps`) go to scratch), and the chunks are checked against their crc32c trailers
         (Zarr) or the chunk table's crc32c (HDF5, whose trailer is Fletcher-32) a run of chunks at
-        a time (_check_run): after one preadv in this thread, or, with checksum threads, one
+        a time (checks.first_bad): after one preadv in this thread, or, with checksum threads, one
         preadv per run of about CHECK_BYTES, each run's check handed off as soon as it is read."""
         C = layout.chunk_rows
         row_bytes = layout.row_bytes
@@ -267,7 +266,8 @@ class ShardReader:
         if self.verify:
             # chunk k's bytes: lead (k = 0) + dst[first[k]:first[k + 1]] + tail (last k)
             first = [0] + [((c + 1) * C - start) * row_bytes for c in range(c0, c1)] + [pos]
-            run = (layout, c0, lead, dst, tail, first, crcs)
+            stored = crc_view if layout.crcs is None else memoryview(layout.crcs[c0:c1 + 1].astype("<u4").tobytes())
+            name = layout.name or layout.key
         batch = (self._pending or self._batch()) if threaded else None
         for k in range(0, n_chunks, step):
             # threaded: a run's check is handed off as soon as its bytes are in, so at the end of a
@@ -279,45 +279,25 @@ class ShardReader:
                 raise CacheFormatError(f"{layout.key}: short read ({b0 + got} of {want} bytes at {base})")
             if not self.verify:
                 continue
-            if batch is None:
-                self._check_run(*run, k, k1)
-            else:
-                batch.submit(self._check_run, *run, k, k1)
+            segments = [lead] if k == 0 and lead_rows else []
+            segments.append(dst[first[k]:first[k1]])
+            if k1 == n_chunks and tail_rows:
+                segments.append(tail)
+            if batch is not None:
+                batch.check(stored[4 * k:4 * k1], C * row_bytes, segments, name, c0 + k)
+            elif (bad := first_bad(stored[4 * k:4 * k1], C * row_bytes, segments)) >= 0:
+                raise mismatch(name, c0 + k + bad)
         if batch is not None and batch is not self._pending:
             batch.wait()
         return out
-
-    @staticmethod
-    def _check_run(layout: ArrayLayout, c0: int, lead: memoryview, dst: memoryview, tail: memoryview,
-                   first: list, trailers: bytearray, k0: int, k1: int) -> None:
-        """Chunks k0..k1-1 of a `_scatter` read: one crc32c over their bytes (at most three calls,
-        so the GIL is released once for the whole run) against the value their stored crc32cs
-        combine to (checks.crc32c_concat). A corrupt chunk is then found by checking each."""
-        if layout.crcs is not None:
-            stored = [int(x) for x in layout.crcs[c0 + k0:c0 + k1]]
-        else:
-            stored = np.frombuffer(trailers, "<u4", k1 - k0, 4 * k0).tolist()
-        last = len(first) - 2
-
-        def crc_of(a: int, b: int) -> int:  # chunks a..b-1, back to back
-            crc = _crc32c(lead) if a == 0 and len(lead) else 0
-            crc = _crc32c(dst[first[a]:first[b]], crc)  # the package releases the GIL for all but small pieces
-            return _crc32c(tail, crc) if b == last + 1 and len(tail) else crc
-
-        if crc_of(k0, k1) == crc32c_concat(stored, layout.chunk_rows * layout.row_bytes):
-            return
-        for k in range(k0, k1):
-            if crc_of(k, k + 1) != stored[k - k0]:
-                raise ChecksumError(f"{layout.name or layout.key}: chunk {c0 + k} checksum mismatch (corrupt bytes)")
-        raise ChecksumError(f"{layout.name or layout.key}: chunks {c0 + k0}..{c0 + k1 - 1} checksum mismatch (corrupt bytes)")
 
     def set_check_threads(self, n: int) -> None:
         if n != self.check_threads:
             self.check_threads, self._checker = n, None  # the old checker's threads end with it
 
-    def _batch(self) -> Batch:
+    def _batch(self) -> Batch | NativeBatch:
         if self._checker is None:
-            self._checker = Checker(self.check_threads)
+            self._checker = checker(self.check_threads)
         return self._checker.batch()
 
     @contextlib.contextmanager
@@ -347,7 +327,7 @@ class CacheReader:
     """
 
     # one helper keeps up with one reading thread (crc32c runs at 2-3x a page-cache copy); a second
-    # only adds GIL hand-overs (benchmarks/loader.py --checks, checks_on_2t); a single CPU checks inline
+    # measured no faster (benchmarks/loader.py --checks, checks_on_2t); a single CPU checks inline
     check_threads: int = 1 if (os.cpu_count() or 1) > 1 else 0
     # remote stores: byte-range requests kept in flight by read_arrays (a sample's arrays, a batch's
     # samples), and the most bytes one request asks for (a large array is cut into several)
