@@ -73,10 +73,12 @@ def _parse_layout(path: str, meta: dict) -> ArrayLayout | None:
 class ShardReader:
     """Row ranges of single-shard arrays, read and checked without zarr-python on the hot path."""
 
-    def __init__(self, files: ByteRanges, verify: bool = True, strict: bool = False, check_threads: int = 0):
+    def __init__(self, files: ByteRanges, verify: bool = True, strict: bool = False, check_threads: int = 0,
+                 native: bool | None = None):
         self.files = files
         self.verify = verify
         self.check_threads = check_threads
+        self.native = native    # checks.checker: None = the native checker where it was built
         self._checker = None    # created on first use, in the process that reads
         self._pending = None    # the checks.Batch of an open deferred() block
         # strict (`deepspec cache verify`): an HDF5 chunk's own Fletcher-32 is checked as well as
@@ -291,13 +293,13 @@ class ShardReader:
             batch.wait()
         return out
 
-    def set_check_threads(self, n: int) -> None:
-        if n != self.check_threads:
-            self.check_threads, self._checker = n, None  # the old checker's threads end with it
+    def set_check_threads(self, n: int, native: bool | None = None) -> None:
+        if (n, native) != (self.check_threads, self.native):
+            self.check_threads, self.native, self._checker = n, native, None  # the old checker's threads end with it
 
     def _batch(self) -> Batch | NativeBatch:
         if self._checker is None:
-            self._checker = checker(self.check_threads)
+            self._checker = checker(self.check_threads, self.native)
         return self._checker.batch()
 
     @contextlib.contextmanager
@@ -329,6 +331,7 @@ class CacheReader:
     # one helper keeps up with one reading thread (crc32c runs at 2-3x a page-cache copy); a second
     # measured no faster (benchmarks/loader.py --checks, checks_on_2t); a single CPU checks inline
     check_threads: int = 1 if (os.cpu_count() or 1) > 1 else 0
+    native_checks: bool | None = None  # None: native checksum threads where built (checks.checker)
     # remote stores: byte-range requests kept in flight by read_arrays (a sample's arrays, a batch's
     # samples), and the most bytes one request asks for (a large array is cut into several)
     read_ahead: int = 16
@@ -378,7 +381,8 @@ class CacheReader:
         pid = os.getpid()
         if self._state is None or self._state[0] != pid:
             files = ByteRanges(self.url, self.storage_options, self.cache_dir, connections=self.read_ahead)
-            self._state = (pid, self.store, files, ShardReader(files, self.verify, check_threads=self.check_threads), {})
+            self._state = (pid, self.store, files, ShardReader(files, self.verify, check_threads=self.check_threads,
+                                                                 native=self.native_checks), {})
         return self._state
 
     def lengths(self) -> np.ndarray:
@@ -443,11 +447,12 @@ class CacheReader:
             out[key] = (values[hidden_name(layer)], values.get(scale_name(layer)))
         return out
 
-    def set_check_threads(self, n: int) -> None:
-        """Threads checking crc32c of local reads from now on (0: in the reading thread)."""
-        self.check_threads = n
+    def set_check_threads(self, n: int, native: bool | None = None) -> None:
+        """Threads checking crc32c of local reads from now on (0: in the reading thread); `native`
+        False: Python threads even where the native checker was built (True: it must be)."""
+        self.check_threads, self.native_checks = n, native
         if self._state is not None:  # the open-time reads already made this process's shard reader
-            self._state[3].set_check_threads(n)
+            self._state[3].set_check_threads(n, native)
 
     def set_read_ahead(self, requests: int, range_bytes: int | None = None) -> None:
         """Requests in flight (and the bytes of each) for remote reads from now on."""

@@ -227,14 +227,12 @@ DAMAGE = {
 def test_every_corrupt_byte_a_read_touches_is_named_by_its_chunk(store, monkeypatch, damage, threads, run_chunks,
                                                                 use_native):
     url, shard, clean = store
-    if not use_native:
-        monkeypatch.setattr(checks, "native", None)  # the Python helpers
     if run_chunks:  # runs of one or two chunks, each checked by whichever thread takes it
         monkeypatch.setattr(reader_mod, "CHECK_BYTES", run_chunks * CHUNK)
     else:  # the default: one run for the whole read (not worth a thread at this size)
         monkeypatch.setattr(reader_mod, "CHECK_BYTES", 64 << 20)
     reader = CacheReader(url)
-    reader.set_check_threads(threads)
+    reader.set_check_threads(threads, use_native)
     want, first = reader.read_array(0, "hidden/7", 20, 70), reader.read_array(0, "hidden/7", 0, 16)
     positions, chunk = DAMAGE[damage]
     data = bytearray(clean)
@@ -243,7 +241,7 @@ def test_every_corrupt_byte_a_read_touches_is_named_by_its_chunk(store, monkeypa
     try:
         shard.write_bytes(bytes(data))
         reader = CacheReader(url)
-        reader.set_check_threads(threads)
+        reader.set_check_threads(threads, use_native)
         with pytest.raises(ChecksumError, match=rf"p000000/hidden/7/c/0/0: chunk {chunk} checksum mismatch"):
             with reader.checked():
                 reader.read_array(0, "hidden/7", 20, 70)
