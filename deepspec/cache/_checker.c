@@ -235,8 +235,12 @@ static int spin_while(const size_t *word, size_t value, const int *stop)
     }
 }
 
-static void finish(Checker *c, Task *t)
+/* with mu held: run a popped task without it, then count it finished */
+static void run_unlocked(Checker *c, Task *t)
 {
+    pthread_mutex_unlock(&c->mu);
+    run_task(t);
+    pthread_mutex_lock(&c->mu);
     __atomic_store_n(&t->batch->finished, t->batch->finished + 1, __ATOMIC_RELEASE);
     if (c->waiters)
         pthread_cond_broadcast(&c->done);
@@ -264,10 +268,7 @@ static void *serve(void *arg)
             }
             continue;
         }
-        pthread_mutex_unlock(&c->mu);
-        run_task(t);
-        pthread_mutex_lock(&c->mu);
-        finish(c, t);
+        run_unlocked(c, t);
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;
@@ -282,10 +283,7 @@ static void settle(Batch *b)
     while (b->finished < (size_t)b->n) {
         Task *t = pop(c);
         if (t) {
-            pthread_mutex_unlock(&c->mu);
-            run_task(t);
-            pthread_mutex_lock(&c->mu);
-            finish(c, t);
+            run_unlocked(c, t);
             continue;
         }
         size_t seen = b->finished;
@@ -425,7 +423,7 @@ static PyObject *batch_wait(Batch *self, PyObject *Py_UNUSED(ignored))
     return failed;
 }
 
-static PyObject *batch_len(Batch *self, PyObject *Py_UNUSED(ignored))
+static PyObject *batch_pending(Batch *self, PyObject *Py_UNUSED(ignored))
 {
     return PyLong_FromSsize_t(self->n);
 }
@@ -449,7 +447,7 @@ static PyMethodDef batch_methods[] = {
      "submit(stored, chunk_bytes, *buffers) -> index: check each chunk of the buffers end to end against `stored`"},
     {"wait", (PyCFunction)batch_wait, METH_NOARGS,
      "wait() -> [(task index, first bad chunk)] in submission order; the batch is then empty"},
-    {"pending", (PyCFunction)batch_len, METH_NOARGS, "tasks submitted since the last wait()"},
+    {"pending", (PyCFunction)batch_pending, METH_NOARGS, "tasks submitted since the last wait()"},
     {NULL}};
 
 static PyTypeObject BatchType = {

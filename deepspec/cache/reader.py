@@ -133,7 +133,7 @@ class ShardReader:
             else:
                 ok = _crc32c(body) == int.from_bytes(payload[-4:], "little")
             if not ok:
-                raise ChecksumError(f"{layout.name or layout.key}: chunk {chunk} checksum mismatch (corrupt bytes)")
+                raise mismatch(layout.name or layout.key, chunk)
         if layout.blosc:
             from numcodecs import blosc
 
