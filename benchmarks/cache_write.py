@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from deepspec.cache.build import build_cache, compute_part, encode_rows, load_target, pack_ranges
+from deepspec.cache.build import build_cache, compute_part, encode_rows, load_target
+from deepspec.cache.plan import part_ranges, store_order
 from deepspec.cache.estimate import reference_bytes_per_token
 from deepspec.cache.format import decode_hidden, encode_hidden
 from deepspec.cache.verify import disk_usage
@@ -147,8 +148,11 @@ def main() -> None:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         cfg = CacheConfig(url=str(tmp / "stage.zarr"), part_tokens=4096)
         t0 = time.perf_counter()
-        for k, (a, b) in enumerate(pack_ranges(np.array([len(s.input_ids) for s in samples]), cfg.part_tokens)):
-            compute_part(model, f"p{k:06d}", samples[a:b], LAYERS, cfg.batch_tokens, pad, torch.device("cpu"))
+        lengths = np.array([len(s.input_ids) for s in samples])
+        keys = np.array([s.key for s in samples], dtype=np.uint64)
+        for k, (a, b) in enumerate(part_ranges(lengths, keys, cfg.part_tokens)):  # the stage's own plan
+            part = [samples[i] for i in store_order(np.arange(a, b), lengths)]
+            compute_part(model, f"p{k:06d}", part, LAYERS, cfg.batch_tokens, pad, torch.device("cpu"))
         forward_only = time.perf_counter() - t0
         t0 = time.perf_counter()
         load_target(Path(args.target), torch.device("cpu"))

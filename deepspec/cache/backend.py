@@ -15,10 +15,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from deepspec.cache.format import FORMAT, FORMAT_VERSION, INDEX_COLUMNS, READ_VERSIONS, CacheFormatError
+from deepspec.cache.format import (CONTENT_KEYS, FORMAT, FORMAT_VERSION, INDEX_COLUMNS, INDEX_COLUMNS_V2, READ_VERSIONS,
+                                   CacheFormatError, key_from_str)
 
 STORAGES = ("zarr", "hdf5")
-PART_NAME = re.compile(r"p\d{6}")
+# v1/v2: p + a 6-digit sequence number; v3: p + 24 hex digits naming the part's content (format.part_name)
+PART_NAME = re.compile(r"p(\d{6}|[0-9a-f]{24})")
 
 
 @dataclass
@@ -45,7 +47,8 @@ class Manifest(Mapping):
 
     `consolidated` (format v2): true when `parts` and the per-sample `index` describe the store; a
     store a writer is adding parts to (or was, until it was killed) is not, and its parts are found
-    by listing (CacheStore.read_manifest does). A v1 manifest always lists its parts."""
+    by listing (CacheStore.read_manifest does). A v1 manifest always lists its parts; a v3 manifest
+    always does too (a writer adds parts beside the listed ones and switches the root once, §7)."""
     target: dict
     layers: list[int]
     dtype: str
@@ -206,7 +209,8 @@ class CacheStore(ABC):
             if bad:
                 raise CacheFormatError(f"{self.url}: committed part {bad[0]} cannot be read")
             m.parts = [entry_of(n, a) for n, a in listed.items()]
-            self._listed = index_rows(m.parts, {n: self.part_rows(n, a) for n, a in listed.items()})
+            self._listed = index_rows(m.parts, {n: self.part_rows(n, a) for n, a in listed.items()},
+                                      keys=m.format_version >= 3)
         return m
 
     def open_index(self, manifest: Manifest) -> np.ndarray | None:
@@ -220,21 +224,25 @@ class CacheStore(ABC):
         return None
 
     def read_index(self, desc: dict) -> np.ndarray:
+        """The index rows [samples, 4 (v2) or 6 (v3)] the descriptor names, checked."""
         from crc32c import crc32c
 
         n, key = int(desc["samples"]), desc["key"]
-        if list(desc.get("columns", INDEX_COLUMNS)) != list(INDEX_COLUMNS):
-            raise CacheFormatError(f"{self.url}: index columns {desc.get('columns')} are not {list(INDEX_COLUMNS)}")
-        if int(desc["nbytes"]) != 32 * n:
-            raise CacheFormatError(f"{self.url}: {key}: index of {n} samples must be {32 * n} bytes, "
+        columns = list(desc.get("columns", INDEX_COLUMNS_V2))
+        if columns not in (list(INDEX_COLUMNS_V2), list(INDEX_COLUMNS)):
+            raise CacheFormatError(f"{self.url}: index columns {columns} are neither {list(INDEX_COLUMNS_V2)} "
+                                   f"nor {list(INDEX_COLUMNS)}")
+        width = 8 * len(columns)
+        if int(desc["nbytes"]) != width * n:
+            raise CacheFormatError(f"{self.url}: {key}: index of {n} samples must be {width * n} bytes, "
                                    f"manifest says {desc['nbytes']}")
         if n == 0:
-            return np.zeros((0, 4), dtype=np.uint64)
+            return np.zeros((0, len(columns)), dtype=np.uint64)
         start = int(desc["offset"])
-        raw = self.read_range(key, start, start + 32 * n)
+        raw = self.read_range(key, start, start + width * n)
         if crc32c(raw) != int(desc["crc32c"]):
             raise CacheFormatError(f"{self.url}: {key}: index checksum mismatch (corrupt bytes)")
-        return np.frombuffer(raw, dtype="<u8").reshape(n, 4).astype(np.uint64)
+        return np.frombuffer(raw, dtype="<u8").reshape(n, len(columns)).astype(np.uint64)
 
     @abstractmethod
     def read_range(self, key: str, start: int, end: int) -> bytes:
@@ -242,19 +250,48 @@ class CacheStore(ABC):
 
     @abstractmethod
     def write_index(self, rows: np.ndarray) -> dict:
-        """Replace the consolidated index with `rows` (uint64 [samples, 4]); returns its manifest
-        descriptor {"key", "offset", "nbytes", "crc32c", "samples", "columns"}."""
+        """Write the consolidated index `rows` (uint64 [samples, 6], INDEX_COLUMNS) as a new object
+        named by its content (an index is never overwritten: a manifest recorded elsewhere keeps
+        pointing at the rows it was written with); returns its manifest descriptor
+        {"key", "offset", "nbytes", "crc32c", "samples", "columns"}."""
 
-    def part_rows(self, name: str, attrs: dict) -> tuple[np.ndarray, np.ndarray]:
-        """(lengths, sample ids) of a committed part: from its commit record when that carries them
-        (a v2 Zarr part), else read from its `offsets` and `sample_id` arrays."""
+    @abstractmethod
+    def index_keys(self) -> list[str]:
+        """The names of the index objects the store holds (a local writer deletes those no manifest uses)."""
+
+    @abstractmethod
+    def index_key(self, name: str) -> str:
+        """The store key of index object `name` (what a manifest's index descriptor names)."""
+
+    @abstractmethod
+    def delete_index(self, name: str) -> None: ...
+
+    def part_rows(self, name: str, attrs: dict) -> "PartRows":
+        """(lengths, sample ids, keys) of a committed part: from its commit record when that carries
+        them (a v2/v3 Zarr part), else read from its `offsets`, `sample_id` and `sample_key` arrays.
+        `keys` is None for a part written before v3."""
         if "lengths" in attrs and "sample_ids" in attrs:
             ids = attrs["sample_ids"]
             ids = [int(v, 16) for v in ids] if len(ids) and isinstance(ids[0], str) else ids
-            return np.asarray(attrs["lengths"], dtype=np.int64), np.asarray(ids, dtype=np.uint64)
+            keys = attrs.get("keys")
+            if keys is not None:
+                keys = np.asarray([key_from_str(k) if isinstance(k, str) else k for k in keys],
+                                  dtype=np.uint64).reshape(-1, 2)
+            return PartRows(np.asarray(attrs["lengths"], dtype=np.int64), np.asarray(ids, dtype=np.uint64), keys)
         entry = entry_of(name, attrs)
         offsets = np.asarray(self.read_slow(entry, "offsets", 0, entry.samples + 1), dtype=np.int64)
-        return np.diff(offsets), np.asarray(self.read_slow(entry, "sample_id", 0, entry.samples), dtype=np.uint64)
+        ids = np.asarray(self.read_slow(entry, "sample_id", 0, entry.samples), dtype=np.uint64)
+        keys = None
+        if self.has_array(entry, "sample_key"):
+            keys = np.asarray(self.read_slow(entry, "sample_key", 0, entry.samples), dtype=np.uint64).reshape(-1, 2)
+        return PartRows(np.diff(offsets), ids, keys)
+
+    def has_array(self, part: "PartEntry", array: str) -> bool:
+        try:
+            self.array_rows(part, array)
+            return True
+        except (CacheFormatError, KeyError):
+            return False
 
     @abstractmethod
     def write_manifest(self, manifest: Manifest) -> None:
@@ -306,6 +343,18 @@ class CacheStore(ABC):
     def array_rows(self, part: PartEntry, array: str) -> int: ...
 
 
+@dataclass
+class PartRows:
+    """What the consolidated index holds of one part: its samples' lengths, ids and content keys
+    (uint64 [n, 2]; None for a part written before format v3)."""
+    lengths: np.ndarray
+    sample_ids: np.ndarray
+    keys: np.ndarray | None = None
+
+    def __iter__(self):  # (lengths, ids) unpacking, as older callers read it
+        return iter((self.lengths, self.sample_ids))
+
+
 def entry_of(name: str, attrs: dict) -> PartEntry:
     """A part's manifest entry from its commit record (CacheStore.committed_parts)."""
     where = attrs.get("chunk_index")
@@ -313,26 +362,34 @@ def entry_of(name: str, attrs: dict) -> PartEntry:
                      [int(v) for v in where] if where is not None else None)
 
 
-def index_rows(parts: list[PartEntry], rows: dict[str, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+def index_rows(parts: list[PartEntry], rows: dict[str, PartRows], keys: bool = True) -> np.ndarray:
     """The consolidated index (docs/cache-format.md §3.1): one row per sample in global order,
-    (part position in `parts`, first row in the part, length, sample id), uint64."""
+    (part position in `parts`, first row in the part, length, sample id[, key hi, key lo]), uint64.
+    With `keys` (v3) every part must carry its samples' keys."""
+    width = len(INDEX_COLUMNS) if keys else len(INDEX_COLUMNS_V2)
     blocks = []
     for k, p in enumerate(parts):
-        lengths, ids = rows[p.name]
+        r = rows[p.name]
+        lengths, ids = r.lengths, r.sample_ids
         if len(lengths) != p.samples or len(ids) != p.samples or int(np.sum(lengths)) != p.tokens:
             raise CacheFormatError(f"parts/{p.name}: its commit record says {p.samples} samples, {p.tokens} tokens; "
                                    f"its rows give {len(lengths)} samples, {int(np.sum(lengths))} tokens")
-        block = np.empty((len(lengths), 4), dtype=np.uint64)
+        block = np.empty((len(lengths), width), dtype=np.uint64)
         block[:, 0] = k
         block[:, 1] = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else []
         block[:, 2] = lengths
         block[:, 3] = ids
+        if keys:
+            if r.keys is None or len(r.keys) != p.samples:
+                raise CacheFormatError(f"parts/{p.name}: no content keys for its samples (written before format v3)")
+            block[:, 4:6] = r.keys
         blocks.append(block)
-    return np.concatenate(blocks) if blocks else np.zeros((0, 4), dtype=np.uint64)
+    return np.concatenate(blocks) if blocks else np.zeros((0, width), dtype=np.uint64)
 
 
-def split_index(index: np.ndarray, parts: list[PartEntry], url: str = "") -> tuple[list, list]:
-    """Per part: offsets int64 [n + 1] and sample ids uint64 [n], checked against the parts list."""
+def split_index(index: np.ndarray, parts: list[PartEntry], url: str = "") -> tuple[list, list, list | None]:
+    """Per part: offsets int64 [n + 1], sample ids uint64 [n] and keys uint64 [n, 2] (None for a
+    4-column index, v2), checked against the parts list."""
     counts = np.array([p.samples for p in parts], dtype=np.int64)
     if len(index) != int(counts.sum()):
         raise CacheFormatError(f"{url}: index has {len(index)} rows, the parts list {int(counts.sum())} samples")
@@ -340,7 +397,7 @@ def split_index(index: np.ndarray, parts: list[PartEntry], url: str = "") -> tup
     if len(index) and not np.array_equal(index[:, 0], want):
         bad = int(np.flatnonzero(index[:, 0] != want)[0])
         raise CacheFormatError(f"{url}: index row {bad}: part {int(index[bad, 0])}, expected {int(want[bad])}")
-    offsets, ids = [], []
+    offsets, ids, keys = [], [], [] if index.shape[1] >= len(INDEX_COLUMNS) else None
     start = 0
     for p, n in zip(parts, counts):
         block = index[start:start + n]
@@ -351,8 +408,23 @@ def split_index(index: np.ndarray, parts: list[PartEntry], url: str = "") -> tup
                                    f"lengths do not tile its {p.tokens} tokens")
         offsets.append(o)
         ids.append(block[:, 3].copy())
+        if keys is not None:
+            keys.append(np.ascontiguousarray(block[:, 4:6]))
         start += n
-    return offsets, ids
+    return offsets, ids, keys
+
+
+def manifest_mismatch(old: dict, new: dict) -> str | None:
+    """First differing content field, spelled as a key path, or None when the store is compatible."""
+    for key in CONTENT_KEYS:
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            for sub in sorted(set(a) | set(b)):
+                if sub != "id" and a.get(sub) != b.get(sub):
+                    return f"{key}.{sub}: store has {a.get(sub)!r}, expected {b.get(sub)!r}"
+        elif a != b:
+            return f"{key}: store has {a!r}, expected {b!r}"
+    return None
 
 
 def detect(url: str, storage_options: dict | None = None) -> str | None:

@@ -1,15 +1,19 @@
 """The `cache` stage: regen rows -> target forward passes -> store parts (Zarr or HDF5).
 
-The stage streams: one pass tokenises every row to learn its length and byte offset (kept as
-numpy arrays, the tokens dropped), the part plan is made from those lengths alone, and a part's
+The stage streams: one pass tokenises every row to learn its length, content key and byte offset
+(kept as numpy arrays, the tokens dropped), the part plan is made from those alone, and a part's
 rows are re-read and tokenised only when that part is computed, so a rank holds a few parts of
-samples, never the corpus. The plan is a pure function of the input and the store's committed parts
-(`plan_parts`), so a rerun after a crash, single- or multi-rank, writes exactly the parts an
-uninterrupted run would have. Forward passes run in length-sorted batches within a part; the writer
-thread encodes and writes one part while the model computes the next.
+samples, never the corpus. The plan is a pure function of the input (`plan_store`, cache/plan.py):
+parts are cut by content and named by it, so a part the store already holds is kept, every other
+planned part is computed, and the store's new manifest lists exactly the planned parts. The result
+equals a from-scratch build of the same input, and a rerun after a crash, single- or multi-rank,
+writes exactly the parts an uninterrupted run would have. Forward passes run in length-sorted
+batches within a part; the writer thread encodes and writes one part while the model computes the
+next.
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import time
@@ -21,7 +25,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from deepspec.cache.format import CacheFormatError, bytes_per_token, encode_hidden, sample_id_to_int
+from deepspec.cache.format import (CacheFormatError, bytes_per_token, encode_hidden, part_name, sample_id_to_int,
+                                   sample_key)
+from deepspec.cache.plan import part_ranges, store_order
 from deepspec.cache.lease import new_run_id
 from deepspec.cache.store import check_lake, is_remote, store_url
 from deepspec.cache.writer import CacheWriter, PartData
@@ -39,6 +45,11 @@ class Sample:
     sample_id: int
     input_ids: list[int]
     loss_mask: list[int]
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """The content key (format.sample_key): what the target is run on for this sample."""
+        return sample_key(self.input_ids, self.loss_mask)
 
 
 def encode_row(tokenizer, row: dict, max_length: int) -> Sample | dict:
@@ -74,6 +85,7 @@ class RowIndex:
     offsets: np.ndarray  # int64 byte offset of the row's line
     lines: np.ndarray  # int64 line number (for error messages)
     dropped: list[dict]
+    keys: np.ndarray | None = None  # uint64 [n, 2] content keys (format.sample_key)
 
 
 def _parse_line(path, lineno: int, line: bytes) -> dict:
@@ -91,9 +103,9 @@ def _encode_line(tokenizer, path, lineno: int, line: bytes, max_length: int) -> 
 
 
 def index_regen(tokenizer, path, max_length: int) -> RowIndex:
-    """One pass over the regen file: tokenise each row, keep its id, length and byte offset, drop
-    the tokens."""
-    ids, lengths, offsets, lines = array("Q"), array("q"), array("q"), array("q")
+    """One pass over the regen file: tokenise each row, keep its id, length, content key and byte
+    offset, drop the tokens."""
+    ids, lengths, offsets, lines, keys = array("Q"), array("q"), array("q"), array("q"), array("Q")
     rows, dropped, offset = 0, [], 0
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
@@ -106,11 +118,13 @@ def index_regen(tokenizer, path, max_length: int) -> RowIndex:
                 dropped.append(out)
                 continue
             ids.append(out.sample_id)
+            keys.extend(out.key)
             lengths.append(len(out.input_ids))
             offsets.append(start)
             lines.append(lineno)
     return RowIndex(str(path), rows, np.frombuffer(ids, np.uint64).copy(), np.frombuffer(lengths, np.int64).copy(),
-                    np.frombuffer(offsets, np.int64).copy(), np.frombuffer(lines, np.int64).copy(), dropped)
+                    np.frombuffer(offsets, np.int64).copy(), np.frombuffer(lines, np.int64).copy(), dropped,
+                    np.frombuffer(keys, np.uint64).copy().reshape(-1, 2))
 
 
 def load_samples(tokenizer, index: RowIndex, rows: np.ndarray, max_length: int) -> list[Sample]:
@@ -122,7 +136,7 @@ def load_samples(tokenizer, index: RowIndex, rows: np.ndarray, max_length: int) 
             lineno = int(index.lines[i])
             out = _encode_line(tokenizer, index.path, lineno, f.readline(), max_length)
             if not isinstance(out, Sample) or out.sample_id != int(index.sample_ids[i]) \
-                    or len(out.input_ids) != int(index.lengths[i]):
+                    or len(out.input_ids) != int(index.lengths[i]) or out.key != tuple(int(v) for v in index.keys[i]):
                 raise CacheFormatError(f"{index.path}:{lineno}: the row changed while the cache stage was running "
                                        "(it no longer encodes to the sample planned); rerun the stage")
             samples.append(out)
@@ -136,70 +150,16 @@ def part_samples(tokenizer, index: RowIndex, plan: list[tuple[str, np.ndarray]],
         yield name, load_samples(tokenizer, index, rows, max_length)
 
 
-def pack_ranges(lengths: np.ndarray, part_tokens: int) -> list[tuple[int, int]]:
-    """Ranges [a, b) packed greedily in order up to part_tokens tokens (a longer sample gets a part
-    of its own)."""
-    parts, start, tokens = [], 0, 0
-    for k, n in enumerate(lengths.tolist()):
-        if k > start and tokens + n > part_tokens:
-            parts.append((start, k))
-            start, tokens = k, 0
-        tokens += n
-    if len(lengths) > start:
-        parts.append((start, len(lengths)))
-    return parts
-
-
-def committed_owner(sample_ids: np.ndarray, committed: dict[str, np.ndarray]) -> np.ndarray:
-    """For each sample, the number of the committed part holding it (p000012 -> 12), or -1."""
-    owner = np.full(len(sample_ids), -1, dtype=np.int64)
-    if not committed or not len(sample_ids):
-        return owner
-    ids = np.concatenate([np.asarray(v, np.uint64) for v in committed.values()])
-    nums = np.concatenate([np.full(len(v), int(n[1:]), np.int64) for n, v in committed.items()])
-    if not len(ids):
-        return owner
-    order = np.argsort(ids, kind="stable")
-    ids, nums = ids[order], nums[order]
-    pos = np.minimum(np.searchsorted(ids, sample_ids), len(ids) - 1)
-    hit = ids[pos] == sample_ids
-    owner[hit] = nums[pos[hit]]
-    return owner
-
-
-def plan_parts(lengths: np.ndarray, owner: np.ndarray, existing, part_tokens: int) -> list[tuple[str, np.ndarray]]:
-    """The parts still to write, as (name, sample positions): a pure function of the input and of
-    the store's committed parts (docs/cache-format.md §7, "Part boundaries").
-
-    Samples are walked in input order. A maximal run of samples not in the store is packed greedily
-    (`pack_ranges`); a committed sample ends the run, so a part never straddles one. A new part is
-    numbered one after the part before it in this walk (the first after nothing is p000000). A run
-    interrupted after some of its parts therefore repacks into the parts and names it would have
-    had. Only when that numbering would reuse a name (the input is not the store's input grown at
-    its end: rows inserted, reordered or removed) are the new parts numbered after the highest part
-    instead."""
-    taken = {int(n[1:]) for n in existing}
-    plan: list[tuple[int, np.ndarray]] = []
-    prev, start = -1, None
-    own = owner.tolist()
-    for i, o in enumerate([*own, -2]):  # -2: the end, closes the last run
-        if o == -1:
-            if start is None:
-                start = i
-            continue
-        if start is not None:
-            for a, b in pack_ranges(lengths[start:i], part_tokens):
-                prev += 1
-                plan.append((prev, np.arange(start + a, start + b, dtype=np.int64)))
-            start = None
-        prev = o
-    numbers = [n for n, _ in plan]
-    if taken.intersection(numbers) or len(set(numbers)) != len(numbers):
-        first = 1 + max(taken, default=-1)
-        numbers = range(first, first + len(plan))
-    # within a part, samples are stored longest first (ties in input order): the order the forward
-    # batches take them in, so a part's shards are written batch by batch (compute_part)
-    return [(f"p{n:06d}", rows[np.lexsort((rows, -lengths[rows]))]) for n, (_, rows) in zip(numbers, plan)]
+def plan_store(index: RowIndex, part_tokens: int) -> list[tuple[str, np.ndarray]]:
+    """Every part of the store for this input, as (name, sample positions in store order): the
+    samples cut into parts by content (plan.part_ranges), each part named by what it holds
+    (format.part_name). A pure function of the input: a from-scratch build, a resumed one and an
+    incremental one after any change of the input all plan the same parts."""
+    out = []
+    for a, b in part_ranges(index.lengths, index.keys, part_tokens):
+        rows = store_order(np.arange(a, b, dtype=np.int64), index.lengths)
+        out.append((part_name(index.keys[rows], index.sample_ids[rows]), rows))
+    return out
 
 
 def length_batches(samples: list[Sample], batch_tokens: int) -> list[list[int]]:
@@ -241,9 +201,10 @@ def forward_batches(model, samples: list[Sample], layers: list[int], batch_token
 
 
 def part_header(name: str, samples: list[Sample]) -> PartData:
-    """A part's ids, lengths, tokens and loss mask, in store order (its hidden states come apart)."""
+    """A part's ids, keys, lengths, tokens and loss mask, in store order (its hidden states come apart)."""
     return PartData(
         name=name,
+        keys=np.array([s.key for s in samples], dtype=np.uint64).reshape(-1, 2),
         sample_ids=np.array([s.sample_id for s in samples], dtype=np.uint64),
         lengths=np.array([len(s.input_ids) for s in samples], dtype=np.int64),
         input_ids=np.concatenate([np.asarray(s.input_ids, dtype=np.int32) for s in samples]) if samples else
@@ -382,24 +343,37 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
     return report
 
 
+class EmptyInput(CacheFormatError):
+    """The stage's input holds no sample to cache: it fails rather than keep an earlier store."""
+
+
 def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path: Path, ident: dict, tokenizer,
            get_model, pad_id: int, device: torch.device, rank: int, world: int, barrier, share,
            source=None) -> dict:
-    """Write every missing part: taken from `source` (deepspec.cache.derive) when it holds a part of
-    the same composition, else computed with the target."""
+    """Write every planned part the store lacks: taken from `source` (deepspec.cache.derive) when it
+    holds a part of the same content, else computed with the target; then list exactly the planned
+    parts."""
     if rank == 0:  # rank 0 reads the input and the store once; every rank gets the same plan
         index = index_regen(tokenizer, regen_path, cfg.max_length)
-        owner = committed_owner(index.sample_ids, writer.committed_part_sample_ids())
-        plan = plan_parts(index.lengths, owner, writer.committed_parts(), part_tokens_for(cfg, ident["hidden_size"]))
-        cached = int((owner >= 0).sum())
+        plan = plan_store(index, part_tokens_for(cfg, ident["hidden_size"]))
+        have = writer.committed_parts()
+        todo = [(name, rows) for name, rows in plan if name not in have]
+        cached = int(sum(len(rows) for name, rows in plan if name in have))
     else:
-        index = plan = cached = None
+        index = plan = todo = cached = None
     if world > 1:
         # also the barrier: every rank plans from the same store snapshot, before any rank commits a part
-        index, plan, cached = share((index, plan, cached))
-    mine = plan[rank * len(plan) // world:(rank + 1) * len(plan) // world]  # a contiguous sample range
-    log.info("cache: %d rows, %d usable, %d already cached, %d parts to write (%d on this rank)",
-             index.rows, len(index.lengths), cached, len(plan), len(mine))
+        index, plan, todo, cached = share((index, plan, todo, cached))
+    if not len(index.lengths):
+        reasons = collections.Counter(d["reason"] for d in index.dropped)
+        why = "it has no rows" if not index.rows else \
+            f"all {index.rows} rows were dropped ({', '.join(f'{k}: {v}' for k, v in sorted(reasons.items()))})"
+        raise EmptyInput(f"{regen_path}: nothing to cache: {why}; check the regen stage's output "
+                         "(data/regen/train.jsonl and data/regen/errors.jsonl)")
+    mine = todo[rank * len(todo) // world:(rank + 1) * len(todo) // world]  # a contiguous sample range
+    log.info("cache: %d rows, %d usable, %d parts planned: %d already in the store (%d samples), %d to write "
+             "(%d on this rank)", index.rows, len(index.lengths), len(plan), len(plan) - len(todo), cached,
+             len(todo), len(mine))
 
     forward_s, computed = 0.0, 0
     bar = tqdm(total=int(sum(index.lengths[rows].sum() for _, rows in mine)), unit="tok", desc=f"cache[{rank}]",
@@ -427,7 +401,10 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
     if barrier:
         barrier()
     report = {"rows": index.rows, "samples": len(index.lengths), "dropped": index.dropped,
+              "parts": len(plan), "parts_kept": len(plan) - len(todo), "samples_kept": cached,
               "forward_s": round(forward_s, 2), "parts_computed": computed}
     if rank == 0:
-        report["manifest"] = writer.write_manifest(rescan=world > 1)  # other ranks' parts too
+        # the planned parts, in plan order (other ranks' parts too); the parts of an earlier input
+        # leave the listing (and, locally, the store)
+        report["manifest"] = writer.write_manifest([name for name, _ in plan], rescan=world > 1)
     return report

@@ -2,7 +2,8 @@
 
 Part by part: every array of a source part is read whole (checksums on) and written, bits unchanged,
 as the part of the same name, so the destination has the same parts, packing, sample ids and
-manifest content; only `storage` (and, when asked, `codec`/`chunk_tokens`) differ. The loader then
+manifest content; only `storage` (and, when asked, `codec`/`chunk_tokens`) differ. (A part of a
+store written before format v3 gets the v3 name of what it holds, and its samples their keys.) The loader then
 returns bitwise equal samples from both. Memory: one part (the writer holds at most one more).
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from deepspec.cache.backend import STORAGES
-from deepspec.cache.format import CacheFormatError, hidden_name, scale_name
+from deepspec.cache.format import CacheFormatError, hidden_name, part_name, scale_name
 from deepspec.cache.reader import CacheReader
 
 
@@ -35,19 +36,23 @@ def convert(src: str, dst: str, storage: str | None = None, codec: str | None = 
         m["chunk_tokens"] = chunk_tokens
     fp8 = reader.dtype != "bfloat16"
     writer = CacheWriter(dst, m, dst_options, queue_size=1, prune_stale=False)
+    order = []
     try:
         for p, entry in enumerate(reader.entries):
+            keys, ids = reader.part_keys(p), reader.part_sample_ids(p)
+            order.append(part_name(keys, ids))
             t = entry.tokens
             hidden = {}
             for layer in [*reader.layers, "last"]:
                 bits = reader.read_array(p, hidden_name(layer), 0, t)
                 hidden[layer] = (bits, reader.read_array(p, scale_name(layer), 0, t) if fp8 else None)
             writer.submit(PartData(
-                name=entry.name, sample_ids=np.asarray(reader._ids[p], dtype=np.uint64),
-                lengths=np.diff(reader._offsets[p]).astype(np.int64),
+                name=order[-1], sample_ids=np.asarray(ids, dtype=np.uint64), keys=keys,
+                lengths=np.diff(reader.part_offsets(p)).astype(np.int64),
                 input_ids=reader.read_array(p, "input_ids", 0, t), loss_mask=reader.read_array(p, "loss_mask", 0, t),
                 hidden=hidden))
-        writer.close()
+        writer.close(consolidate=False)
+        writer.write_manifest(order)
     except BaseException:
         writer.abort()
         raise

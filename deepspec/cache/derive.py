@@ -3,9 +3,9 @@
 A store keeps every layer of a part in its own shard file, so a store with fewer layers is a
 selection of files, and an fp8 (or recompressed) store is a re-encoding of the stored bfloat16 bits:
 neither needs the target. The cache stage asks `prepare` for a source before it computes anything;
-a part of the wanted store is taken from the source when the source holds a part of exactly the
-same composition (sample ids, lengths, token ids and loss masks), else it is computed as usual, so
-the result is the store a from-scratch build gives. Derived parts go through the ordinary writer
+a part of the wanted store is taken from the source when the source holds a part of the same name
+(parts are named by their content: the keys and ids of their samples, in order), else it is
+computed as usual, so the result is the store a from-scratch build gives. Derived parts go through the ordinary writer
 (create, then commit, then manifest), so a derive resumes after a kill like a build.
 
 - same dtype, codec and chunking: every wanted array is linked (local: hardlink, else reflink, else
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from deepspec.cache.format import (FORMAT, FORMAT_VERSION, READ_VERSIONS, CacheFormatError, bytes_per_token, encode_hidden,
-                                   hidden_name, part_arrays, scale_name)
+                                   hidden_name, part_arrays, part_name, scale_name)
 from deepspec.cache.backend import open_cache
 from deepspec.cache.lease import acquire
 from deepspec.cache.reader import CacheReader
@@ -45,10 +45,15 @@ STAGING, OLD = ".derive", ".old"  # suffixes of the siblings of a local store du
 FICLONE = 0x40049409  # ioctl: share the source's extents (btrfs, xfs, ...)
 
 
-def why_not(src: dict, want: dict) -> str | None:
-    """Why a store with manifest `src` cannot give the store `want` describes, or None when it can."""
+def why_not(src: dict, want: dict, by_name: bool = True) -> str | None:
+    """Why a store with manifest `src` cannot give the store `want` describes, or None when it can.
+    `by_name`: the parts are to be found by their content names (the cache stage), which stores
+    written before format v3 do not have."""
     if src.get("format") != FORMAT or src.get("format_version") not in READ_VERSIONS:
         return f"not a deepspec cache of format version {' or '.join(map(str, READ_VERSIONS))}"
+    if by_name and src.get("format_version", 0) < 3:
+        return (f"a format v{src.get('format_version')} store: its parts are not cut and named by content, so none "
+                "is a part of this build (`deepspec cache derive SRC DST` converts it by hand, part for part)")
     why = manifest_mismatch({"target": src.get("target")}, {"target": want["target"]})
     if why:
         return f"another target identity ({why})"
@@ -99,9 +104,7 @@ class Source:
         self.want = want
         self.link = links_only(self.manifest, want)
         self.remote = is_remote(url)
-        # a part is found by the set of its samples: stores written before parts were stored longest
-        # first hold the same parts in input order, and a derived part keeps its source's order
-        self.by_ids = {tuple(sorted(int(v) for v in ids)): k for k, ids in enumerate(self.reader._ids)}
+        self.by_name = {name: k for k, name in enumerate(self.reader.parts)}
         self.parts_derived = 0
         self.seconds = 0.0  # time spent deriving (reading, re-encoding, linking), in both threads
         self.methods: set[str] = set()
@@ -113,30 +116,30 @@ class Source:
             self.lease = None
 
     def part(self, name: str, samples) -> PartData | None:
+        """The planned part `name` from the source, when it holds it. A v3 part's name is a hash of
+        its samples' keys and ids in order, so an equal name is an equal composition; the keys are
+        compared anyway (a cheap guard against a hash collision or a damaged index)."""
         t0 = time.time()
         try:
-            k = self.by_ids.get(tuple(sorted(s.sample_id for s in samples)))
+            k = self.by_name.get(name)
             if k is None:
                 return None
-            at = {s.sample_id: s for s in samples}
-            samples = [at[int(v)] for v in self.reader._ids[k]]  # in the source part's order
-            lengths = np.diff(self.reader._offsets[k])
-            if lengths.tolist() != [len(s.input_ids) for s in samples]:
+            want = np.array([s.key for s in samples], dtype=np.uint64).reshape(-1, 2)
+            if not np.array_equal(self.reader.part_keys(k), want):
                 return None
             part = self._assemble(k, name)
-            if not (np.array_equal(part.input_ids, np.concatenate([np.asarray(s.input_ids, np.int32) for s in samples]))
-                    and np.array_equal(part.loss_mask,
-                                       np.concatenate([np.asarray(s.loss_mask, np.uint8) for s in samples]))):
-                return None  # same ids, other tokens (another regen, another template): compute
             self.parts_derived += 1
             return part
         finally:
             self.seconds += time.time() - t0
 
-    def part_at(self, k: int, name: str) -> PartData:
+    def part_at(self, k: int) -> PartData:
+        """The source's k-th part, named by its content (a part of a store written before v3 gets the
+        v3 name of what it holds)."""
         t0 = time.time()
         try:
-            part = self._assemble(k, name)
+            r = self.reader
+            part = self._assemble(k, part_name(r.part_keys(k), r.part_sample_ids(k)))
             self.parts_derived += 1
             return part
         finally:
@@ -144,15 +147,16 @@ class Source:
 
     def _assemble(self, k: int, name: str) -> PartData:
         r = self.reader
-        offsets = r._offsets[k]
+        offsets = r.part_offsets(k)
         tokens = int(offsets[-1])
-        part = PartData(name=name, sample_ids=np.asarray(r._ids[k], dtype=np.uint64),
-                        lengths=np.diff(offsets).astype(np.int64),
+        part = PartData(name=name, sample_ids=np.asarray(r.part_sample_ids(k), dtype=np.uint64),
+                        keys=r.part_keys(k), lengths=np.diff(offsets).astype(np.int64),
                         input_ids=r.read_array(k, "input_ids", 0, tokens),
                         loss_mask=r.read_array(k, "loss_mask", 0, tokens))
         layers, dtype = self.want["layers"], self.want["dtype"]
         if self.link:
-            arrays = part_arrays(layers, dtype)
+            # a part written before v3 has no sample_key array: the writer writes it (from `keys`)
+            arrays = [a for a in part_arrays(layers, dtype) if a != "sample_key" or self.manifest.format_version >= 3]
             part.copied, part.copy = tuple(arrays), partial(self._copy, r.parts[k], arrays)
             return part
         part.batches = self._reencoded(k, tokens, [*layers, "last"], dtype)  # streamed by writer.submit
@@ -396,7 +400,7 @@ def prepare(cfg, want: dict, url: str, world: int = 1) -> Derivation:
         drop_staging(url)
         return _computed(url, remote, f"{url}: no store to derive from")
     if manifest_mismatch(src, want) is None:
-        drop_staging(url)  # the store already has this content: an ordinary (resumed or grown) build
+        drop_staging(url)  # the store already has this content: an ordinary (resumed or changed-input) build
         return Derivation(url, url)
     why = why_not(src, want)
     if why:
@@ -433,7 +437,7 @@ def derive_store(src: str, dst: str, layers: list[int] | None = None, dtype: str
                 dtype=dtype or src_manifest["dtype"], codec=codec or src_manifest["codec"],
                 chunk_tokens=chunk_tokens or src_manifest["chunk_tokens"])
     want["bytes_per_token"] = bytes_per_token(want["hidden_size"], len(want["layers"]), want["dtype"])
-    why = why_not(src_manifest, want)
+    why = why_not(src_manifest, want, by_name=False)
     if why:
         raise CacheFormatError(f"{src}: cannot derive {dst} from it: {why}")
     source = Source(src, storage_options, want)
@@ -441,11 +445,21 @@ def derive_store(src: str, dst: str, layers: list[int] | None = None, dtype: str
     if not is_remote(dst) and local_path(dst).exists() and any(local_path(dst).iterdir()) \
             and _read_manifest(dst, storage_options) is None:
         raise CacheFormatError(f"{dst}: exists and is not a deepspec cache; refusing to write into it")
-    with CacheWriter(dst, want, storage_options, prune_stale=False) as writer:
-        done = writer.committed_parts()
-        for k, name in enumerate(source.reader.parts):
+    writer = CacheWriter(dst, want, storage_options, prune_stale=False)
+    try:
+        done, order, r = writer.committed_parts(), [], source.reader
+        for k in range(len(r.parts)):
+            name = part_name(r.part_keys(k), r.part_sample_ids(k))
+            order.append(name)
             if name not in done:
-                writer.submit(source.part_at(k, name))
+                writer.submit(source.part_at(k))
+        writer.close(consolidate=False)
+        writer.write_manifest(order)
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        writer.release()
     out = dict(_read_manifest(dst, storage_options))
     return {"url": dst, "source": src, "parts": len(out["parts"]), "parts_derived": source.parts_derived,
             "samples": out["num_samples"], "layers": out["layers"], "dtype": out["dtype"],

@@ -5,7 +5,8 @@ A store is a Zarr v3 group (its attributes are the manifest) or, with `cache.for
 *parts* (`parts/<name>/` or `parts/<name>.h5`), each holding one token-major CSR slice of the samples:
 
     offsets      int64  [n+1]    token offsets of the part's samples (offsets[0] == 0)
-    sample_id    uint64 [n]      the split/regen row id (16 hex digits) as an integer
+    sample_id    uint64 [n]      the split/regen row id (16 hex digits) as an integer (provenance)
+    sample_key   uint64 [n, 2]   v3: the sample's content key, a hash of its input_ids and loss_mask
     input_ids    int32  [t]
     loss_mask    uint8  [t]
     hidden/<i>   uint16 [t, H]   bfloat16 bits        | uint8 [t, H] float8_e4m3fn bits
@@ -21,11 +22,14 @@ import numpy as np
 import torch
 
 FORMAT = "deepspec-cache"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # versions this code reads: v1 lists every part in the root manifest (rewritten after each part);
-# v2 commits a part without touching the root and consolidates a per-sample index once per run
-READ_VERSIONS = (1, 2)
-INDEX_COLUMNS = ("part", "offset", "length", "sample_id")  # the consolidated index, uint64 [samples, 4]
+# v2 commits a part without touching the root and consolidates a per-sample index once per run;
+# v3 names every part by its content (the keys of its samples) and keys every sample by its content
+READ_VERSIONS = (1, 2, 3)
+# the consolidated index, uint64 [samples, len(columns)]; v3 adds the sample's content key
+INDEX_COLUMNS_V2 = ("part", "offset", "length", "sample_id")
+INDEX_COLUMNS = (*INDEX_COLUMNS_V2, "key_hi", "key_lo")
 DTYPES = ("bfloat16", "fp8")
 CODECS = ("none", "blosc-zstd", "blosc-lz4")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -46,9 +50,9 @@ def scale_name(layer: int | str) -> str:
     return f"scale/{layer}"
 
 
-def part_arrays(layers: list, dtype: str) -> list[str]:
+def part_arrays(layers: list, dtype: str, version: int = FORMAT_VERSION) -> list[str]:
     """Every array of a part, in the order the writer writes them."""
-    names = ["offsets", "sample_id", "input_ids", "loss_mask"]
+    names = ["offsets", "sample_id", *(["sample_key"] if version >= 3 else []), "input_ids", "loss_mask"]
     for layer in [*layers, "last"]:
         names.append(hidden_name(layer))
         if dtype != "bfloat16":
@@ -147,3 +151,68 @@ def sample_id_to_int(sample_id: str) -> int:
 
 def sample_id_to_str(value: int) -> str:
     return f"{int(value):016x}"
+
+
+# ---- content keys (v3) -------------------------------------------------------------------------
+# A sample's key is what the target is run on for it: its token ids and its loss mask, as the chat
+# template produced them (the target itself, its tokenizer and template, max_length, dtype and layers
+# are the store's content fields, equal for every sample of a store). Two rows with equal keys have
+# equal cached values; a row whose answer, template or tokenizer changed gets another key.
+KEY_PERSON = b"deepspec-sample"  # blake2b personalisation: these digests never collide with another use
+PART_PERSON = b"deepspec-part"
+
+
+def sample_key(input_ids, loss_mask) -> tuple[int, int]:
+    """128-bit blake2b of the sample's int32 token ids (little-endian) then its uint8 loss mask, as
+    two uint64 (the digest's first and last 8 bytes, big-endian: f"{hi:016x}{lo:016x}" is its hex)."""
+    import hashlib
+
+    ids = np.ascontiguousarray(input_ids, dtype="<i4")
+    mask = np.ascontiguousarray(loss_mask, dtype=np.uint8)
+    if ids.shape != mask.shape or ids.ndim != 1:
+        raise CacheFormatError(f"input_ids {ids.shape} and loss_mask {mask.shape} of a sample differ in shape")
+    h = hashlib.blake2b(digest_size=16, person=KEY_PERSON)
+    h.update(ids.tobytes())
+    h.update(mask.tobytes())
+    d = h.digest()
+    return int.from_bytes(d[:8], "big"), int.from_bytes(d[8:], "big")
+
+
+def sample_keys(input_ids: np.ndarray, loss_mask: np.ndarray, lengths) -> np.ndarray:
+    """uint64 [n, 2]: the key of each sample of a CSR slice (rows back to back, `lengths` each)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    out = np.empty((len(lengths), 2), dtype=np.uint64)
+    start = 0
+    for k, n in enumerate(lengths.tolist()):
+        out[k] = sample_key(input_ids[start:start + n], loss_mask[start:start + n])
+        start += n
+    if start != len(input_ids):
+        raise CacheFormatError(f"lengths sum to {start} tokens, the arrays hold {len(input_ids)}")
+    return out
+
+
+def key_to_str(key) -> str:
+    return f"{int(key[0]):016x}{int(key[1]):016x}"
+
+
+def key_from_str(text: str) -> tuple[int, int]:
+    if len(text) != 32:
+        raise CacheFormatError(f"sample key {text!r} is not 32 hex digits")
+    return int(text[:16], 16), int(text[16:], 16)
+
+
+def part_name(keys: np.ndarray, sample_ids: np.ndarray) -> str:
+    """A v3 part's name: `p` + 24 hex digits of a hash of its samples' keys and ids in store order.
+    The part's arrays are a function of exactly these (and of the store's content fields), so equal
+    names mean equal parts, and a part is found again by what it holds, whatever run wrote it."""
+    import hashlib
+
+    keys = np.ascontiguousarray(keys, dtype=">u8").reshape(-1, 2)
+    ids = np.ascontiguousarray(sample_ids, dtype=">u8").reshape(-1)
+    if len(keys) != len(ids):
+        raise CacheFormatError(f"{len(keys)} keys for {len(ids)} sample ids")
+    h = hashlib.blake2b(digest_size=12, person=PART_PERSON)
+    h.update(len(ids).to_bytes(8, "big"))
+    h.update(keys.tobytes())
+    h.update(ids.tobytes())
+    return "p" + h.hexdigest()

@@ -33,7 +33,10 @@ log = logging.getLogger(__name__)
 MANIFEST_NAME = "manifest.json"
 SUFFIX = ".h5"
 INDEX_DATASET = "chunk_index"
-INDEX_FILE = "index.h5"  # the consolidated per-sample index: dataset "index", uint64 [samples, 4] (§3.1)
+# the consolidated per-sample index (§3.1): v3, files `index/<name>.h5` (dataset "index", uint64
+# [samples, 6], named by their content, never overwritten); v2, the one file `index.h5` ([samples, 4])
+INDEX_DIR = "index"
+INDEX_FILE = "index.h5"
 
 
 def h5_compression(codec: str) -> dict:
@@ -137,7 +140,7 @@ def write_part_file(path: str, arrays: list[ArraySpec], attrs: dict, feed=None) 
 
 class HDF5Store(CacheStore):
     kind = "hdf5"
-    layout_entries = frozenset({MANIFEST_NAME, "parts", INDEX_FILE})
+    layout_entries = frozenset({MANIFEST_NAME, "parts", INDEX_DIR, INDEX_FILE})
 
     def __init__(self, url: str, storage_options: dict | None = None, writable: bool = False):
         super().__init__(url, storage_options, writable)
@@ -209,35 +212,56 @@ class HDF5Store(CacheStore):
         return self._cat(key, start, end)
 
     def write_index(self, rows: np.ndarray) -> dict:
-        """`index.h5`: one contiguous, unfiltered dataset `index`; the manifest records its byte
-        range and crc32c, so a reader fetches it with one ranged read (h5py reads it too)."""
+        """`index/<name>.h5`: one contiguous, unfiltered dataset `index`; the manifest records its byte
+        range and crc32c, so a reader fetches it with one ranged read (h5py reads it too). `<name>` is
+        a hash of the rows, and a file is never replaced: temp file, fsync, create-only link."""
         import h5py
 
-        rows = np.ascontiguousarray(rows, dtype="<u8").reshape(-1, 4)
+        from deepspec.cache.zarr_store import index_name
+
+        rows = np.ascontiguousarray(rows, dtype="<u8").reshape(-1, len(INDEX_COLUMNS))
+        name = index_name(rows)
+        key = self.index_key(name)
         if self.remote:
             fd, tmp = tempfile.mkstemp(suffix=SUFFIX, prefix="deepspec-index-")
             os.close(fd)
         else:
-            root = local_path(self.url)
-            root.mkdir(parents=True, exist_ok=True)
-            tmp = str(root / f"{INDEX_FILE}.{uuid.uuid4().hex}.partial")
+            folder = local_path(self.url) / INDEX_DIR
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = str(folder / f"{name}{SUFFIX}.{uuid.uuid4().hex}.partial")
         try:
             with h5py.File(tmp, "w", libver=("v110", "v110")) as f:
                 d = f.create_dataset("index", data=rows, track_times=False)
                 f.attrs["columns"] = list(INDEX_COLUMNS)
                 f.flush()
                 offset = int(d.id.get_offset() or 0)
+            desc = {"key": key, "offset": offset, "nbytes": int(rows.nbytes), "crc32c": crc32c(rows.tobytes()),
+                    "samples": len(rows), "columns": list(INDEX_COLUMNS)}
+            if name in self.index_keys():
+                return desc  # the same rows, written by h5py with the same settings: the same bytes
             if self.remote:
-                self.fs.put_file(tmp, self._path(INDEX_FILE))
+                self.fs.put_file(tmp, self._path(key))
             else:
                 fsync_path(tmp)
-                os.replace(tmp, self._path(INDEX_FILE))
-                fsync_path(str(root))
+                try:
+                    os.link(tmp, self._path(key))
+                except FileExistsError:
+                    pass
+                fsync_path(str(folder))
+                fsync_path(str(folder.parent))
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        return {"key": INDEX_FILE, "offset": offset, "nbytes": int(rows.nbytes), "crc32c": crc32c(rows.tobytes()),
-                "samples": len(rows), "columns": list(INDEX_COLUMNS)}
+        return desc
+
+    def index_keys(self) -> list[str]:
+        return [n[:-len(SUFFIX)] for n in self._list(INDEX_DIR) if n.endswith(SUFFIX)]
+
+    def index_key(self, name: str) -> str:
+        return f"{INDEX_DIR}/{name}{SUFFIX}"
+
+    def delete_index(self, name: str) -> None:
+        self._delete_key(f"{INDEX_DIR}/{name}{SUFFIX}")
 
     def write_manifest(self, manifest: Manifest) -> None:
         data = json.dumps(manifest.stored_dict(), indent=1, sort_keys=True).encode()
@@ -290,6 +314,9 @@ class HDF5Store(CacheStore):
             if not (name.endswith(SUFFIX) and PART_NAME.fullmatch(name[:-len(SUFFIX)])):
                 log.info("%s: deleting parts/%s (a temporary file of an interrupted writer)", self.url, name)
                 self._delete_key(f"parts/{name}")
+        for name in self._list(INDEX_DIR):
+            if not name.endswith(SUFFIX):
+                self._delete_key(f"{INDEX_DIR}/{name}")
 
     def committed_parts(self) -> dict[str, dict]:
         out = {}
@@ -303,9 +330,12 @@ class HDF5Store(CacheStore):
                     # what the consolidated index needs, read while the file is open anyway
                     lengths = np.diff(np.asarray(f["offsets"][:], dtype=np.int64))
                     ids = np.asarray(f["sample_id"][:], dtype=np.uint64)
+                    keys = np.asarray(f["sample_key"][:], dtype=np.uint64) if "sample_key" in f else None
                 attrs[INDEX_DATASET] = [int(v) for v in attrs[INDEX_DATASET]]
                 attrs = {k: (int(v) if isinstance(v, (np.integer, bool, np.bool_)) else v) for k, v in attrs.items()}
                 attrs["lengths"], attrs["sample_ids"] = lengths, ids
+                if keys is not None:
+                    attrs["keys"] = keys
             except (OSError, KeyError, ValueError) as e:
                 # the name exists only after a commit: an unreadable file is a damaged committed part
                 attrs = {"committed": True, "samples": 0, "tokens": 0, "damaged": f"unreadable ({e.__class__.__name__})"}
@@ -347,6 +377,7 @@ class HDF5Store(CacheStore):
     def delete_all(self) -> None:
         self._delete_key("parts")
         self._delete_key(INDEX_FILE)
+        self._delete_key(INDEX_DIR)
         self._delete_key(MANIFEST_NAME)
         self._tables.clear()
 
@@ -366,7 +397,7 @@ class HDF5Store(CacheStore):
                 raise PartConflict(f"{self.url}: {key} already exists; a committed part is never rewritten")
             tmp = str(parts / f"{name}{SUFFIX}.{uuid.uuid4().hex}.partial")
         # the rows a Zarr commit record carries are the part file's own offsets/sample_id here
-        attrs = {k: v for k, v in attrs.items() if k not in ("lengths", "sample_ids")}
+        attrs = {k: v for k, v in attrs.items() if k not in ("lengths", "sample_ids", "keys")}
         try:
             where = write_part_file(tmp, arrays, attrs, feed)
             if self.remote:

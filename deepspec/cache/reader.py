@@ -23,9 +23,10 @@ import os
 
 import numpy as np
 
-from deepspec.cache.backend import ArrayLayout, CacheStore, PartEntry, fletcher32_matches, open_cache, split_index
+from deepspec.cache.backend import (ArrayLayout, CacheStore, Manifest, PartEntry, fletcher32_matches,
+                                    manifest_mismatch, open_cache, split_index)
 from deepspec.cache.checks import Batch, ChecksumError, NativeBatch, checker, first_bad, mismatch
-from deepspec.cache.format import CacheFormatError, hidden_name, scale_name
+from deepspec.cache.format import CacheFormatError, hidden_name, sample_keys, scale_name
 from deepspec.cache.ranges import ByteRanges, preadv_all
 
 from crc32c import crc32c as _crc32c
@@ -338,7 +339,12 @@ class CacheReader:
     range_bytes: int = 4 << 20
 
     def __init__(self, url: str, storage_options: dict | None = None, expect: dict | None = None,
-                 verify: bool = True, fast: bool = True, cache_dir: str | None = None):
+                 verify: bool = True, fast: bool = True, cache_dir: str | None = None,
+                 manifest: dict | None = None):
+        """`manifest`: read the parts and index this manifest lists (the one the cache stage recorded,
+        data/cache/manifest.json) instead of the ones the store's root lists now: in a lake another
+        experiment may have switched the root to its own samples since. Its content fields must be
+        the store's."""
         self.url = url
         self.storage_options = storage_options
         self.cache_dir = cache_dir
@@ -346,9 +352,15 @@ class CacheReader:
         self.fast = fast
         self.store: CacheStore = open_cache(url, storage_options)
         self.manifest = self.store.read_manifest()
+        if manifest is not None:
+            pinned = Manifest.from_dict({k: v for k, v in manifest.items() if k != "url"}, url)
+            why = manifest_mismatch(self.manifest, pinned)
+            if why:
+                raise CacheFormatError(f"{url}: the store's content is not the recorded manifest's ({why})")
+            if pinned.format_version >= 3 and (pinned.index is None and pinned.parts):
+                raise CacheFormatError(f"{url}: the recorded manifest lists parts but no index")
+            self.manifest = pinned
         if expect:
-            from deepspec.cache.writer import manifest_mismatch
-
             why = manifest_mismatch(self.manifest, dict(self.manifest, **expect))
             if why:
                 raise CacheFormatError(f"{url}: cache does not match what this run expects ({why})")
@@ -362,9 +374,15 @@ class CacheReader:
         self._state = None  # (pid, store, files, shard reader, layouts) per process
         # v2: one read of the consolidated per-sample index (or the rows listed from an unconsolidated
         # store's commit records); v1: every part's offsets and sample ids, part by part
+        if manifest is not None and self.manifest.format_version >= 3 and self.manifest.index is not None:
+            key = self.manifest.index["key"]
+            if key not in {self.store.index_key(n) for n in self.store.index_keys()}:
+                raise CacheFormatError(f"{url}: the recorded manifest's index {key} is no longer in the store (it "
+                                       "was rebuilt for other input since): rerun the cache stage")
         index = self.store.open_index(self.manifest)
+        self._keys = None  # per part, uint64 [n, 2] content keys (v3); None for older stores
         if index is not None:
-            self._offsets, self._ids = split_index(index, self.entries, url)
+            self._offsets, self._ids, self._keys = split_index(index, self.entries, url)
         else:
             self._offsets = [self.read_array(p, "offsets", 0, e.samples + 1) for p, e in enumerate(self.entries)]
             self._ids = [self.read_array(p, "sample_id", 0, e.samples) for p, e in enumerate(self.entries)]
@@ -390,6 +408,38 @@ class CacheReader:
 
     def sample_ids(self) -> np.ndarray:
         return np.concatenate(self._ids) if self._ids else np.zeros(0, np.uint64)
+
+    def keys(self) -> np.ndarray | None:
+        """uint64 [samples, 2]: every sample's content key (format.sample_key), in store order; None
+        for a store written before format v3."""
+        if self._keys is None:
+            return None
+        return np.concatenate(self._keys) if self._keys else np.zeros((0, 2), np.uint64)
+
+    # ---- one part's rows (what derive, verify and convert need of a part) ------------------------
+    def part_offsets(self, part: int) -> np.ndarray:
+        """int64 [n + 1]: the token offsets of part `part`'s samples."""
+        return self._offsets[part]
+
+    def part_sample_ids(self, part: int) -> np.ndarray:
+        return self._ids[part]
+
+    def part_keys(self, part: int) -> np.ndarray:
+        """uint64 [n, 2]: the content keys of part `part`'s samples: the index's (v3), else computed
+        from the part's token ids and loss mask."""
+        if self._keys is not None:
+            return self._keys[part]
+        tokens = int(self._offsets[part][-1])
+        return sample_keys(self.read_array(part, "input_ids", 0, tokens), self.read_array(part, "loss_mask", 0, tokens),
+                           np.diff(self._offsets[part]))
+
+    def shard_reader(self) -> "ShardReader":
+        """This process's shard reader (verify turns on its strict checks)."""
+        return self._process_state()[3]
+
+    def array_layout(self, part: int, name: str) -> ArrayLayout | None:
+        """The fast path's layout of one array of one part (None: read through the library)."""
+        return self._layout(part, name)
 
     def sample_id(self, index: int) -> int:
         part, _, _ = self.locate(index)

@@ -295,11 +295,24 @@ def _read_part(ref: ReferenceCache, records: np.ndarray, name: str, sample_ids: 
         input_ids[pos:pos + n] = np.frombuffer(ref.read(rec, "input_ids", 4 * n), dtype="<i4")
         loss_mask[pos:pos + n] = np.frombuffer(ref.read(rec, "loss_mask", n), dtype=np.uint8)
         pos += n
-    from deepspec.cache.build import pack_ranges  # consecutive records of at most IMPORT_BATCH_TOKENS
+    from deepspec.cache.plan import pack_ranges  # consecutive records of at most IMPORT_BATCH_TOKENS
 
     groups = pack_ranges(lengths, IMPORT_BATCH_TOKENS)
     return PartData(name=name, sample_ids=sample_ids.astype(np.uint64), lengths=lengths, input_ids=input_ids,
                     loss_mask=loss_mask, batches=(_read_hidden(ref, records[a:b], dtype) for a, b in groups))
+
+
+def _record_keys(ref: ReferenceCache, index: np.ndarray) -> np.ndarray:
+    """uint64 [n, 2]: each record's content key (format.sample_key of its token ids and loss mask),
+    which the part plan cuts by: a pass over the token arrays only, ~5 bytes a token."""
+    from deepspec.cache.format import sample_key
+
+    keys = np.empty((len(index), 2), dtype=np.uint64)
+    for k, rec in enumerate(index):
+        n = int(rec["seq_len"])
+        keys[k] = sample_key(np.frombuffer(ref.read(rec, "input_ids", 4 * n), dtype="<i4"),
+                             np.frombuffer(ref.read(rec, "loss_mask", n), dtype=np.uint8))
+    return keys
 
 
 def _read_hidden(ref: ReferenceCache, records: np.ndarray, dtype: str) -> dict:
@@ -358,14 +371,23 @@ def import_reference(src: str | Path, dst: str, target_dir: str | Path | None = 
         },
     }
     row_bytes = ref.hidden_size * (2 if dtype == "bfloat16" else 1)
-    from deepspec.cache.build import pack_ranges  # the cache stage's packing rule
+    from deepspec.cache.format import part_name
+    from deepspec.cache.plan import part_ranges  # the cache stage's rule: parts cut by content
 
-    plan = pack_ranges(seq_len, max(1, min(part_tokens, shard_bytes // row_bytes)))
+    index = np.asarray(index)
+    keys = _record_keys(ref, index)
+    plan = part_ranges(seq_len, keys, max(1, min(part_tokens, shard_bytes // row_bytes)))
     writer = CacheWriter(dst, manifest, storage_options, queue_size=1, prune_stale=False)
     try:
-        for p, (a, b) in enumerate(plan):
-            writer.submit(_read_part(ref, np.asarray(index[a:b]), f"p{p:06d}", ids[a:b], dtype))
-        writer.close()
+        order = []
+        for a, b in plan:
+            rows = np.arange(a, b)  # records keep their order (a round trip gives the same sample order)
+            order.append(part_name(keys[rows], ids[rows]))
+            part = _read_part(ref, index[rows], order[-1], ids[rows], dtype)
+            part.keys = keys[rows]
+            writer.submit(part)
+        writer.close(consolidate=False)
+        writer.write_manifest(order)
     except BaseException:
         writer.abort()
         raise

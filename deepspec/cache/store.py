@@ -291,3 +291,18 @@ def built_store_url(cache_url: str, manifest_path: str | Path = "data/cache/mani
         return json.loads(path.read_text())["url"]
     except (ValueError, KeyError):
         raise CacheFormatError(f"{path}: no store url recorded (rerun the cache stage)") from None
+
+
+def built_manifest(manifest_path: str | Path = "data/cache/manifest.json") -> dict | None:
+    """The manifest the cache stage recorded for its store (parts, index and their checksums), or
+    None where the stage has not run (a store built by hand). `train` reads exactly these parts
+    (CacheReader's `manifest`): a store on S3 is a pool another experiment may have switched since."""
+    import json
+
+    path = Path(manifest_path)
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        raise CacheFormatError(f"{path}: not valid JSON (rerun the cache stage)") from None

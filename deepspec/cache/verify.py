@@ -7,7 +7,7 @@ import os
 import numpy as np
 from crc32c import crc32c
 
-from deepspec.cache.format import CacheFormatError, bytes_per_token, hidden_name, scale_name
+from deepspec.cache.format import CacheFormatError, bytes_per_token, hidden_name, sample_keys, scale_name
 from deepspec.cache.reader import EMPTY, CacheReader, _parse_layout
 
 
@@ -56,13 +56,13 @@ def verify(url: str, storage_options: dict | None = None) -> dict:
     Raises CacheFormatError naming the first bad part/array/chunk."""
     reader = CacheReader(url, storage_options, verify=True)
     store = reader.store
-    shards = reader._process_state()[3]
+    shards = reader.shard_reader()
     shards.strict = True  # every checksum a chunk has (HDF5: the table's crc32c and its Fletcher-32)
     seen: set[int] = set()
     chunks = 0
     for p, entry in enumerate(reader.entries):
         name = entry.name
-        offsets = reader._offsets[p]
+        offsets = reader.part_offsets(p)
         tokens = int(offsets[-1])
         where = f"{url}: parts/{name}"
         if offsets[0] != 0 or np.any(np.diff(offsets) <= 0):
@@ -70,18 +70,31 @@ def verify(url: str, storage_options: dict | None = None) -> dict:
         if len(offsets) - 1 != entry.samples or tokens != entry.tokens:
             raise CacheFormatError(f"{where}: manifest says {entry.samples} samples/{entry.tokens} "
                                    f"tokens, offsets say {len(offsets) - 1}/{tokens}")
-        ids = reader._ids[p]
+        ids = reader.part_sample_ids(p)
         if len(ids) != entry.samples or store.array_rows(entry, "sample_id") != entry.samples:
             raise CacheFormatError(f"{where}/sample_id: {len(ids)} ids for {entry.samples} samples")
         dup = seen.intersection(int(i) for i in ids)
         if dup:
             raise CacheFormatError(f"{where}/sample_id: sample {min(dup):016x} appears in two parts")
         seen.update(int(i) for i in ids)
+        if reader.manifest.format_version >= 3:
+            # a key is a hash of the sample's tokens and mask: a wrong one would let a later build keep the
+            # part for samples it does not hold (a part's name, made from the keys, is only a label here)
+            keys = reader.part_keys(p)
+            got = sample_keys(reader.read_array(p, "input_ids", 0, tokens), reader.read_array(p, "loss_mask", 0, tokens),
+                              np.diff(offsets))
+            if not np.array_equal(keys, got):
+                bad = int(np.flatnonzero((keys != got).any(axis=1))[0])
+                raise CacheFormatError(f"{where}: sample {bad}: its key in the index is not the hash of its "
+                                       "input_ids and loss_mask")
+            stored = np.asarray(store.read_slow(entry, "sample_key", 0, entry.samples), dtype=np.uint64).reshape(-1, 2)
+            if not np.array_equal(stored, keys):
+                raise CacheFormatError(f"{where}/sample_key: differs from the index's keys")
         for array in array_names(reader):
             rows = store.array_rows(entry, array)
             if rows != tokens:
                 raise CacheFormatError(f"{where}/{array}: {rows} rows, offsets say {tokens}")
-            layout = reader._layout(p, array)
+            layout = reader.array_layout(p, array)
             if layout is None:
                 store.read_slow(entry, array, 0, rows)  # the library checks each chunk itself
                 continue

@@ -4,15 +4,15 @@ A part is written array by array into `parts/<name>/`; on a local filesystem eve
 directory of it is then fsynced, and only then is the part group's `committed` attribute set (a
 durable replace). On opening, rank 0 deletes everything a killed writer leaves (uncommitted parts,
 zarr's `*.partial` temp files, anything else that is not part of the layout) and checks every
-committed part of a local store cheaply (verify.part_damage): a damaged one is deleted with every
-part after it, so the rerun repeats the same packing.
+committed part of a local store cheaply (verify.part_damage): a damaged one is deleted, and the
+run computes it again (a part's name is its content, so it is the same part).
 
 Committing a part writes only that part's own objects (its commit record carries the part's sample
-lengths and ids): the root is not touched, so a commit costs the same bytes whatever the number of
-parts. Rank 0 marks the root manifest "not consolidated" before the first commit of its run
-(readers then list the committed parts), and consolidates once when done (`write_manifest`): the
-per-sample index array, then the root listing the parts, after which a reader opens the store with
-O(1) requests. A run that commits nothing rewrites nothing.
+lengths, ids and content keys): the root is not touched, so a commit costs the same bytes whatever
+the number of parts, and readers keep reading the parts the root lists. Rank 0 consolidates once
+when done (`write_manifest`): the per-sample index of the parts the run's input needs, then the
+root listing them, after which a reader opens the store with O(1) requests. A run that commits
+nothing and lists the same parts rewrites nothing.
 """
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from deepspec.cache.backend import (PART_NAME, ArraySpec, CacheStore, Manifest, PartEntry, backend_class, detect,
-                                    entry_of, index_rows, open_for_write)
-from deepspec.cache.format import CONTENT_KEYS, CacheFormatError, encode_hidden, hidden_name, part_arrays, scale_name
+from deepspec.cache.backend import (PART_NAME, ArraySpec, CacheStore, Manifest, PartEntry, PartRows, backend_class, detect,
+                                    entry_of, index_rows, manifest_mismatch, open_for_write, split_index)
+from deepspec.cache.format import (INDEX_COLUMNS, CacheFormatError, encode_hidden, hidden_name,
+                                   key_to_str, part_arrays, part_name, sample_keys, scale_name)
 from deepspec.cache.lease import DEFAULT_TTL_S, LEASE_NAME, acquire, join
 from deepspec.cache.store import is_remote
 
@@ -41,7 +42,7 @@ class PartData:
     """One part's samples, in store order. `hidden` maps layer id (or "last") to either the encoded
     (bits, scale) pair (format.encode_hidden; what the cache stage hands over, so the writer thread
     does no tensor math) or a [T, H] float tensor to encode here."""
-    name: str
+    name: str | None                  # None: the writer names it by its content (format.part_name)
     sample_ids: np.ndarray            # uint64 [n]
     lengths: np.ndarray               # int64 [n]
     input_ids: np.ndarray             # int32 [T]
@@ -51,6 +52,8 @@ class PartData:
     # that puts them into the new part group (writer, group) before the part is committed
     copied: tuple = ()
     copy: object = None
+    # the samples' content keys, uint64 [n, 2] (format.sample_key); computed by the writer when None
+    keys: np.ndarray | None = None
     # a streamed part: `hidden` stays empty and its rows arrive batch by batch through this feed
     feed: "PartFeed | None" = None
     # or, handed to submit(): an iterable of such batches ({layer: (bits, scale)}), which submit()
@@ -118,33 +121,27 @@ class PartFeed:
             yield out
 
 
-def manifest_mismatch(old: dict, new: dict) -> str | None:
-    """First differing content field, spelled as a key path, or None when the store is compatible."""
-    for key in CONTENT_KEYS:
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            for sub in sorted(set(a) | set(b)):
-                if sub != "id" and a.get(sub) != b.get(sub):
-                    return f"{key}.{sub}: store has {a.get(sub)!r}, expected {b.get(sub)!r}"
-        elif a != b:
-            return f"{key}: store has {a!r}, expected {b!r}"
-    return None
-
-
 class CacheWriter:
     """Writes parts into one store, of the backend the manifest's `storage` names ("zarr", the
     default, or "hdf5"; backend.CacheStore). Rank 0 (the default) takes the store's lease
     (deepspec.cache.lease) before touching anything; the other ranks of the same job pass its
     `run_id` and join that lease. Call `release()` (or use the writer as a context manager) when
     done. A store whose content fields (or backend) differ is pruned when `prune_stale` (default:
-    local stores only), else refused."""
+    local stores only), else refused.
+
+    Parts are named by their content (format.part_name) and added beside the parts the root lists;
+    readers keep seeing the root's parts until `write_manifest` switches the root to a new list, in
+    one write. On a local store that switch also deletes the committed parts and index objects the
+    new root does not list, so the store holds exactly its manifest; a store on S3 keeps them (a
+    pool other experiments' manifests may point into; they cost no reads)."""
 
     def __init__(self, url: str, manifest: dict, storage_options: dict | None = None,
                  queue_size: int = 2, rank: int = 0, prune_stale: bool | None = None, run_id: str | None = None,
                  lease_ttl: float = DEFAULT_TTL_S):
         self.url = url
         self.manifest = Manifest.from_dict({k: v for k, v in dict(manifest).items()
-                                            if k not in ("format", "format_version", "parts")}, url)
+                                            if k not in ("format", "format_version", "parts", "consolidated",
+                                                         "index")}, url)
         self.manifest.parts = []
         self.storage_options = storage_options
         self.remote = is_remote(url)
@@ -156,11 +153,12 @@ class CacheWriter:
         else:
             self.lease = join(url, storage_options, run_id)
         self.rank = rank
-        self._marked = True  # rank 0 sets this in _mark_writing; other ranks never write the root
         self._committed: dict[str, PartEntry] | None = None
-        # (lengths, sample ids) of every committed part this writer knows: its own, the last
-        # consolidated index's, and those read from other parts' commit records
-        self._rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # (lengths, sample ids, keys) of every committed part this writer knows: its own, the root's
+        # index's, and those read from other parts' commit records
+        self._rows: dict[str, PartRows] = {}
+        self._listed: list[str] = []    # the parts the root listed when this writer opened it
+        self._session: list[str] = []   # the parts this writer committed, in order
         try:
             if rank == 0:
                 self._switch_backend(not self.remote if prune_stale is None else prune_stale)
@@ -176,6 +174,7 @@ class CacheWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._feeds: list[PartFeed] = []  # streamed parts not yet written
         self._error: BaseException | None = None
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="cache-writer", daemon=True)
         self._thread.start()
 
@@ -201,7 +200,8 @@ class CacheWriter:
 
     def _reconcile(self, prune_stale: bool) -> None:
         old = self.store.root_attrs()
-        if old.get("format") == self.manifest.format:
+        fresh = old.get("format") != self.manifest.format
+        if not fresh:
             why = manifest_mismatch(old, self.manifest)
             if why is None and "derived_from" in old and "derived_from" not in self.manifest:
                 self.manifest.extra["derived_from"] = old["derived_from"]  # provenance outlives a later growth run
@@ -210,82 +210,64 @@ class CacheWriter:
                     raise CacheFormatError(f"{self.url}: existing cache does not match ({why}); refusing to "
                                            "overwrite it — delete it or choose another cache.url")
                 log.warning("%s: existing cache is stale (%s): pruning all parts", self.url, why)
-                for name in self.store.committed_parts():
-                    self.store.delete_part(name)
-            elif old.get("consolidated", True):
+                self.store.delete_all()
+                fresh = True
+            else:
                 self._load_index(old)
         self.store.prune_debris(self.keep_at_root)
         if not self.remote:
             self._drop_damaged()
-        self._mark_writing()
+        if fresh:
+            # the root names the store before any part exists: an empty, consolidated manifest (a
+            # store killed before its first consolidation then reads as empty, never as foreign)
+            m = Manifest.from_dict(self.manifest.to_dict())
+            m.parts, m.index = [], None
+            self.lease.check()
+            self.store.write_manifest(m)
 
     def _load_index(self, old: dict) -> None:
-        """The rows of the parts the last consolidation listed, so that neither resume nor the next
-        consolidation reads them again. A v1 store has no index: its parts are read once."""
+        """The parts the root lists, and their rows from its index, so that neither the plan nor the
+        next consolidation reads them again. A store of an older version lists parts without keys."""
         try:
             m = Manifest.from_dict(old, self.url)
             index = self.store.open_index(m)
         except (CacheFormatError, OSError, ValueError) as e:
             log.warning("%s: consolidated index unreadable (%s): parts are listed instead", self.url, e)
             return
+        self._listed = [p.name for p in m.parts]
         if index is None:
             return
-        from deepspec.cache.backend import split_index
-
-        offsets, ids = split_index(index, m.parts, self.url)
-        for p, o, i in zip(m.parts, offsets, ids):
-            self._rows[p.name] = (np.diff(o), i)
-
-    def _mark_writing(self) -> None:
-        """At open: a consolidated root that no longer describes the committed parts (debris or
-        damage was deleted above) is marked "not consolidated"; so is a new store's. Otherwise the
-        root stays as it is until this writer commits its first part (write_part), so a run that
-        writes nothing rewrites nothing."""
-        names = set(self.store.committed_parts())
-        self._rows = {n: r for n, r in self._rows.items() if n in names}  # parts deleted above are gone
-        old = self.store.root_attrs()
-        listed = {p["name"] for p in old.get("parts", [])} if old.get("consolidated") else None
-        self._marked = False
-        if listed is None or listed != names or old.get("format") != self.manifest.format:
-            self._mark()
-
-    def _mark(self) -> None:
-        """The root says "not consolidated" (content fields only, O(1) bytes): a store this run
-        leaves behind, killed or not, opens by listing its committed parts."""
-        m = Manifest.from_dict(self.manifest.to_dict())
-        m.parts, m.consolidated, m.index = [], False, None
-        if m.stored_dict() != self.store.root_attrs():
-            self.lease.check()
-            self.store.write_manifest(m)
-        self._marked = True
+        offsets, ids, keys = split_index(index, m.parts, self.url)
+        for k, (p, o, i) in enumerate(zip(m.parts, offsets, ids)):
+            self._rows[p.name] = PartRows(np.diff(o), i, None if keys is None else keys[k])
 
     def _drop_damaged(self) -> None:
         """A committed part whose files did not survive (a power loss before the writer fsynced
-        them, or a truncated copy) is deleted together with every part after it: the rerun then
-        packs the same samples into the same parts as an uninterrupted build."""
+        them, or a truncated copy) is deleted: the plan then computes it again, under the same name."""
         names = list(self.store.committed_parts())
         arrays = part_arrays(self.manifest.layers, self.manifest.dtype)
-        for k, name in enumerate(names):
+        for name in names:
             why = self.store.part_damage(name, arrays)
             if why is None:
                 continue
-            later = names[k + 1:]
-            log.warning("%s: committed part %s is damaged (%s): deleting it and the %d parts after it, "
-                        "which this run writes again", self.url, f"parts/{name}", why, len(later))
-            for n in names[k:]:
-                self.store.delete_part(n)
-            break
+            log.warning("%s: committed part %s is damaged (%s): deleting it; this run writes it again",
+                        self.url, f"parts/{name}", why)
+            self.store.delete_part(name)
+            self._rows.pop(name, None)
 
     def committed_parts(self) -> dict[str, dict]:
         return self.store.committed_parts()
+
+    def listed_parts(self) -> list[str]:
+        """The parts the root listed when this writer opened the store, in its order."""
+        return list(self._listed)
 
     def committed_sample_ids(self) -> set[int]:
         return {int(v) for ids in self.committed_part_sample_ids().values() for v in ids}
 
     def committed_part_sample_ids(self) -> dict[str, np.ndarray]:
-        """Each committed part's sample ids (uint64, in the part's order): what the cache stage's
-        part plan needs to know of a store."""
-        return {name: self._rows[name][1] for name in self._entries()}
+        """Each committed part's sample ids (uint64, in the part's order)."""
+        return {name: self._rows[name].sample_ids for name in self._entries()}
 
     def _entries(self) -> dict[str, PartEntry]:
         """Every committed part, listed; the rows of parts not yet known are taken from their commit
@@ -293,7 +275,7 @@ class CacheWriter:
         out = {}
         for n, a in self.store.committed_parts().items():
             out[n] = entry_of(n, a)
-            if n not in self._rows or len(self._rows[n][0]) != out[n].samples:
+            if n not in self._rows or len(self._rows[n].lengths) != out[n].samples:
                 self._rows[n] = self.store.part_rows(n, a)
         return out
 
@@ -328,13 +310,16 @@ class CacheWriter:
         return part.feed
 
     def close(self, consolidate: bool = True) -> None:
-        """Wait for the pending parts; rank 0 then consolidates (pass False when other ranks are
-        still writing: rank 0 consolidates once after all of them, write_manifest(rescan=True))."""
+        """Wait for the pending parts; rank 0 then consolidates with the default order (pass False
+        when other ranks are still writing or the caller knows the order: then write_manifest)."""
+        if self._closed:  # a second close (a context manager's exit after an explicit one) changes nothing
+            return
         self._queue.put(None)
         self._thread.join()
         self._raise_if_failed()
+        self._closed = True
         if consolidate and self.rank == 0:
-            self.write_manifest(rescan=True)
+            self.write_manifest()
 
     def abort(self) -> None:
         """Stop after the part being written; pending parts are dropped (they are not committed), and
@@ -386,8 +371,10 @@ class CacheWriter:
         dtype, chunk, codec = self.manifest.dtype, self.manifest.chunk_tokens, self.manifest.codec
         offsets = np.zeros(len(part.lengths) + 1, dtype=np.int64)
         np.cumsum(part.lengths, out=offsets[1:])
+        keys = np.asarray(part.keys, dtype=np.uint64).reshape(-1, 2)
         specs = [ArraySpec("offsets", offsets, max(len(offsets), 1)),
                  ArraySpec("sample_id", part.sample_ids.astype(np.uint64), max(len(part.sample_ids), 1)),
+                 ArraySpec("sample_key", keys, max(len(keys), 1)),
                  ArraySpec("input_ids", part.input_ids.astype(np.int32), TOKEN_CHUNK_1D),
                  ArraySpec("loss_mask", part.loss_mask.astype(np.uint8), TOKEN_CHUNK_1D)]
         for layer, values in part.hidden.items():
@@ -407,57 +394,83 @@ class CacheWriter:
 
     def write_part(self, part: PartData) -> None:
         self.lease.check()
-        if not PART_NAME.fullmatch(part.name):
-            raise CacheFormatError(f"part name {part.name!r} is not p + 6 digits")
         lengths = np.asarray(part.lengths, dtype=np.int64)
         ids = np.asarray(part.sample_ids, dtype=np.uint64)
+        if part.keys is None:  # the content key of each sample: a hash of its tokens and loss mask
+            part.keys = sample_keys(part.input_ids, part.loss_mask, lengths)
+        keys = np.asarray(part.keys, dtype=np.uint64).reshape(-1, 2)
+        if part.name is None:  # named by what it holds (the planners name parts so themselves)
+            part.name = part_name(keys, ids)
+        if not PART_NAME.fullmatch(part.name):
+            raise CacheFormatError(f"part name {part.name!r} is neither p + 24 hex digits nor p + 6 digits")
         # the commit record carries what the consolidated index needs: O(samples of this part) bytes
         attrs = {"committed": True, "samples": int(len(lengths)), "tokens": part.tokens, "rank": self.rank,
-                 "lengths": [int(v) for v in lengths], "sample_ids": [f"{int(v):016x}" for v in ids]}
+                 "lengths": [int(v) for v in lengths], "sample_ids": [f"{int(v):016x}" for v in ids],
+                 "keys": [key_to_str(k) for k in keys]}
         # arrays a derive links from its source (part.copy) are not written again
         specs = [spec for spec in self.part_specs(part) if spec.name not in part.copied]
-        if self.rank == 0 and not self._marked:
-            self._mark()  # once per run, before the first commit: the root is not touched per part
         before = None if part.copy is None else (lambda group: part.copy(self, group))
         feed = None if part.feed is None else part.feed.arrays()
         entry = self.store.write_part(part.name, specs, attrs, self.rank, self.lease, before=before, feed=feed)
         log.debug("committed part %s: %d samples, %d tokens", part.name, len(part.lengths), part.tokens)
-        self._rows[part.name] = (lengths, ids)
+        self._rows[part.name] = PartRows(lengths, ids, keys)
+        self._session.append(part.name)
         if self._committed is not None:
             self._committed[part.name] = entry
 
-    def _manifest(self) -> Manifest:
-        # listing every part costs one metadata read per part: do it once, then keep the list up to
-        # date as parts commit (other ranks' parts are picked up by rescan=True)
-        if self._committed is None:
+    def write_manifest(self, order: list[str] | None = None, rescan: bool = False,
+                       prune_unlisted: bool | None = None) -> dict:
+        """Consolidate: switch the root to the parts `order` names, in that order (default: the parts
+        the root listed, then every other committed part in name order; the cache stage passes its
+        plan, so that parts of an earlier input are left out), writing the per-sample index of exactly
+        those parts first (a new object, named by its content). `rescan` lists the committed parts
+        again (other ranks' parts too). `prune_unlisted` (default: local stores) then deletes every
+        committed part and index object the new root does not list. A rerun that changes nothing
+        writes nothing."""
+        if rescan or self._committed is None:
             self._committed = self._entries()
+        if order is None:
+            order = [n for n in self._listed if n in self._committed]
+            order += sorted(set(self._committed) - set(order))
+        missing = [n for n in order if n not in self._committed]
+        if missing:
+            raise CacheFormatError(f"{self.url}: parts/{missing[0]} (and {len(missing) - 1} more) should be listed "
+                                   "but are not committed")
+        if len(set(order)) != len(order):
+            raise CacheFormatError(f"{self.url}: a part is listed twice in the new manifest")
         m = Manifest.from_dict(self.manifest.to_dict())
-        m.parts = [self._committed[n] for n in sorted(self._committed)]
-        return m
-
-    def write_manifest(self, rescan: bool = False) -> dict:
-        """Consolidate: the per-sample index of every committed part, then the root manifest listing
-        them (each one object write). `rescan` lists the parts again (other ranks' parts too). A
-        rerun that changes nothing writes nothing."""
-        if rescan:
-            self._committed = None
-        m = self._manifest()
-        m.consolidated = True
+        m.parts, m.consolidated = [self._committed[n] for n in order], True
         rows = index_rows(m.parts, self._rows)
         stored = self.store.root_attrs()
-        have = stored.get("index") if stored.get("consolidated") else None
+        have = stored.get("index") if stored.get("format_version") == m.format_version else None
         from crc32c import crc32c
 
         crc = crc32c(np.ascontiguousarray(rows, dtype="<u8").tobytes())
-        if have and (int(have.get("samples", -1)), int(have.get("crc32c", -1))) == (len(rows), crc):
+        if have and (int(have.get("samples", -1)), int(have.get("crc32c", -1)), list(have.get("columns", []))) == \
+                (len(rows), crc, list(INDEX_COLUMNS)):
             m.index = dict(have)
         else:
             self.lease.check()
-            if stored.get("consolidated", False):  # never an index that disagrees with a consolidated root
-                self._mark()
             m.index = self.store.write_index(rows)
         attrs = m.to_dict()
         if json.loads(json.dumps(m.stored_dict())) != stored:
             self.lease.check()
             self.store.write_manifest(m)
+        self._listed = list(order)
+        if not self.remote if prune_unlisted is None else prune_unlisted:
+            self._prune_unlisted(set(order), m.index)
         return attrs
+
+    def _prune_unlisted(self, listed: set[str], index: dict | None) -> None:
+        """What the new root no longer lists: committed parts of an earlier input, earlier indexes."""
+        dropped = [n for n in self.store.committed_parts() if n not in listed]
+        for n in dropped:
+            self.store.delete_part(n)
+            self._rows.pop(n, None)
+            if self._committed is not None:
+                self._committed.pop(n, None)
+        if dropped:
+            log.info("%s: deleted %d parts of samples no longer in the input", self.url, len(dropped))
+        for name in self.store.index_keys():
+            if index is None or self.store.index_key(name) != index["key"]:
+                self.store.delete_index(name)

@@ -5,6 +5,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 
 import numpy as np
 import zarr
@@ -17,7 +18,9 @@ from deepspec.cache.store import (PartConflict, fsync_path, fsync_tree, local_pa
 
 log = logging.getLogger(__name__)
 
-INDEX_ARRAY = "index"  # the consolidated per-sample index, uint64 [samples, 4], one chunk (§3.1)
+# the consolidated per-sample index (§3.1): v3, arrays `index/<name>` (uint64 [samples, 6], one chunk,
+# named by their content, never overwritten); v2, the one array `index` (uint64 [samples, 4])
+INDEX_ARRAY = "index"
 
 
 class ShardAppender:
@@ -107,6 +110,12 @@ def encode_shard(data: np.ndarray, chunk_rows: int, codec: str) -> bytes:
     return buf.getvalue()
 
 
+def index_name(rows: np.ndarray) -> str:
+    import hashlib
+
+    return hashlib.blake2b(np.ascontiguousarray(rows, dtype="<u8").tobytes(), digest_size=8).hexdigest()
+
+
 class ZarrStore(CacheStore):
     kind = "zarr"
     layout_entries = frozenset({"zarr.json", "parts", INDEX_ARRAY})
@@ -151,18 +160,43 @@ class ZarrStore(CacheStore):
         return data
 
     def write_index(self, rows: np.ndarray) -> dict:
-        """The index is an ordinary single-shard array `index` at the root whose only chunk is the
-        whole array, so its rows are bytes [0, 32 n) of `index/c/0/0`."""
-        rows = np.ascontiguousarray(rows, dtype="<u8").reshape(-1, 4)
-        self._delete(INDEX_ARRAY)
-        key, chunk_rows = self._create(self.root, ArraySpec(INDEX_ARRAY, rows, max(len(rows), 1)))
+        """The index is an ordinary single-shard array `index/<name>` whose only chunk is the whole
+        array, so its rows are bytes [0, 48 n) of `index/<name>/c/0/0`. `<name>` is a hash of the
+        rows: the same rows land in the same array, which is then written no more."""
+        rows = np.ascontiguousarray(rows, dtype="<u8").reshape(-1, len(INDEX_COLUMNS))
+        name = index_name(rows)
+        key = self.index_key(name)
+        desc = {"key": key, "offset": 0, "nbytes": int(rows.nbytes), "crc32c": crc32c(rows.tobytes()),
+                "samples": len(rows), "columns": list(INDEX_COLUMNS)}
+        if name in self.index_keys():
+            try:
+                self.read_index(desc)
+                return desc
+            except CacheFormatError:
+                self.delete_index(name)  # a torn earlier write of these rows: write it again
+        group = self.root.require_group(INDEX_ARRAY)
+        key, chunk_rows = self._create(group, ArraySpec(name, rows, max(len(rows), 1)))
         self._put(key, encode_shard(rows, chunk_rows, "none"))
         if not self.remote:
             path = local_path(self.url)
-            fsync_tree(path / INDEX_ARRAY)
+            fsync_tree(path / INDEX_ARRAY / name)
+            fsync_path(path / INDEX_ARRAY)
             fsync_path(path)
-        return {"key": f"{INDEX_ARRAY}/c/0/0", "offset": 0, "nbytes": int(rows.nbytes),
-                "crc32c": crc32c(rows.tobytes()), "samples": len(rows), "columns": list(INDEX_COLUMNS)}
+        return desc
+
+    def index_keys(self) -> list[str]:
+        if self.remote:
+            return [n for n in self._list(INDEX_ARRAY) if n not in ("zarr.json", "c")]
+        path = local_path(self.url) / INDEX_ARRAY
+        if not path.is_dir() or (path / "c").exists():  # absent, or v2's single array
+            return []
+        return sorted(n for n in os.listdir(path) if n != "zarr.json")
+
+    def index_key(self, name: str) -> str:
+        return f"{INDEX_ARRAY}/{name}/c/0/0"
+
+    def delete_index(self, name: str) -> None:
+        self._delete(f"{INDEX_ARRAY}/{name}")
 
     # ---- listing, debris, damage -------------------------------------------------------------
     def _list(self, prefix: str, store=None) -> list[str]:
@@ -204,6 +238,11 @@ class ZarrStore(CacheStore):
             if name not in self.layout_entries and name not in keep:
                 log.info("%s: deleting %s (not part of a cache; left by an interrupted writer)", self.url, name)
                 self._delete(name)
+        if not self.remote:  # a torn index write (an S3 object appears whole or not at all)
+            for name in self.index_keys():
+                if not (local_path(self.url) / INDEX_ARRAY / name / "c" / "0" / "0").exists():
+                    log.info("%s: deleting index/%s (an interrupted index write)", self.url, name)
+                    self.delete_index(name)
         for name, mark in self._part_marks(committed_only=False).items():
             if mark is None or not mark.get("committed"):
                 log.info("%s: pruning uncommitted part %s (left by an interrupted run)", self.url, name)

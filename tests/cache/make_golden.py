@@ -2,8 +2,9 @@
 
     python -m tests.cache.make_golden
 
-Writes the stores of the current format version only (STORES_V2 now); the v1 stores (STORES) were
-written by the v1 writer (commit 8a04f09 and before) and are never rewritten. Rerun only when the
+Writes the stores of the current format version only (STORES_V3 now); the v1 stores (STORES) were
+written by the v1 writer (commit 8a04f09 and before), the v2 ones (STORES_V2) by the v2 writer, and
+neither is ever rewritten. Rerun only when the
 format version changes: the point of the fixtures is that they were written by an earlier writer,
 so a reader change that misreads existing stores fails. Values come from `golden_parts()`, which
 the test recomputes: numpy's PCG64 with fixed seeds, no torch randomness.
@@ -21,7 +22,10 @@ STORES = [("zarr-bf16", "zarr", "bfloat16", "none"), ("zarr-fp8-zstd", "zarr", "
           ("hdf5-bf16", "hdf5", "bfloat16", "none"), ("hdf5-fp8-zstd", "hdf5", "fp8", "blosc-zstd")]
 # format version 2: consolidated manifest + index array / index.h5, commit records with lengths/ids
 STORES_V2 = [("v2-zarr-bf16", "zarr", "bfloat16", "none"), ("v2-hdf5-fp8-zstd", "hdf5", "fp8", "blosc-zstd")]
-VERSION = {**{s[0]: 1 for s in STORES}, **{s[0]: 2 for s in STORES_V2}}
+# format version 3: content keys (sample_key arrays, index columns key_hi/key_lo), parts named by
+# their content, the index a content-named object (index/<hash>)
+STORES_V3 = [("v3-zarr-bf16", "zarr", "bfloat16", "none"), ("v3-hdf5-fp8-zstd", "hdf5", "fp8", "blosc-zstd")]
+VERSION = {**{s[0]: 1 for s in STORES}, **{s[0]: 2 for s in STORES_V2}, **{s[0]: 3 for s in STORES_V3}}
 
 
 def golden_values(seed: int, lengths: list[int]) -> dict:
@@ -38,7 +42,8 @@ PARTS = [("p000000", 11, [5, 3]), ("p000001", 12, [6])]
 SAMPLE_IDS = {"p000000": [0x0123456789ABCDEF, 0xFEDCBA9876543210], "p000001": [0x00000000000000FF]}
 
 
-def golden_parts(dtype: str):
+def golden_parts(dtype: str, named: bool = True):
+    """The parts; `named` False leaves the name to the writer (v3: named by content)."""
     import torch
 
     from deepspec.cache.format import encode_hidden
@@ -47,7 +52,8 @@ def golden_parts(dtype: str):
     out = []
     for name, seed, lengths in PARTS:
         v = golden_values(seed, lengths)
-        out.append(PartData(name, np.array(SAMPLE_IDS[name], dtype=np.uint64), np.array(lengths, dtype=np.int64),
+        out.append(PartData(name if named else None, np.array(SAMPLE_IDS[name], dtype=np.uint64),
+                            np.array(lengths, dtype=np.int64),
                             v["input_ids"], v["loss_mask"],
                             {k: encode_hidden(torch.from_numpy(x), dtype) for k, x in v["hidden"].items()}))
     return out
@@ -67,14 +73,17 @@ def main() -> None:
 
     from deepspec.cache.format import FORMAT_VERSION
 
-    for name, storage, dtype, codec in STORES + STORES_V2:
+    for name, storage, dtype, codec in STORES + STORES_V2 + STORES_V3:
         if VERSION[name] != FORMAT_VERSION:
             continue  # written by an earlier writer: never rewritten
         dst = GOLDEN / name
         shutil.rmtree(dst, ignore_errors=True)
+        parts = golden_parts(dtype, named=False)
         with CacheWriter(str(dst), manifest(storage, dtype, codec)) as w:
-            for part in golden_parts(dtype):
+            for part in parts:
                 w.submit(part)
+            w.close(consolidate=False)
+            w.write_manifest([part.name for part in parts])  # in PARTS order, as a planner lists them
         size = sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
         print(f"{dst}: {size} bytes")
 

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import deepspec.cache.build as build_mod
-from deepspec.cache.build import build_cache, plan_parts
+from deepspec.cache.build import RowIndex, build_cache, plan_store
+from deepspec.cache.format import part_name
+from deepspec.cache.plan import store_order
 from deepspec.cache.reader import CacheReader
 from deepspec.config import CacheConfig
 from tests.cache.test_cache import LAYERS, array_hashes, build, workdir
@@ -80,40 +82,37 @@ def committed(url: str) -> dict[str, int]:
     return out
 
 
-def test_plan_fences_at_committed_samples_and_numbers_in_input_order():
-    lengths = np.array([10] * 9)
-    # samples 3..4 are in the store's p000001 (rows were inserted before it): the runs before and
-    # after it are packed on their own, no part straddles it
-    owner = np.array([-1, -1, -1, 1, 1, -1, -1, -1, -1])
-    plan = plan_parts(lengths, owner, ["p000000", "p000001"], 20)
-    # (numbered after the part before them, the first run would reuse p000000/p000001: the new
-    # parts are numbered after the highest part instead)
-    assert [(n, r.tolist()) for n, r in plan] == [("p000002", [0, 1]), ("p000003", [2]), ("p000004", [5, 6]),
-                                                   ("p000005", [7, 8])]
-    # an interrupted plan of the store p000000 (samples 0..1) resumes under the same names
-    owner = np.array([0, 0, -1, -1, -1, -1, -1, -1, -1])
-    full = plan_parts(lengths, owner, ["p000000"], 20)
-    assert [n for n, _ in full] == ["p000001", "p000002", "p000003", "p000004"]
-    done = owner.copy()
-    done[6:8] = 3  # p000003 (samples 6..7) committed, p000001/2/4 not
-    resumed = plan_parts(lengths, done, ["p000000", "p000003"], 20)
-    assert [(n, r.tolist()) for n, r in resumed] == [(n, r.tolist()) for n, r in full if n != "p000003"]
-
-
 def test_a_part_stores_its_samples_longest_first_and_is_forwarded_in_that_order():
     """The order the stage's forward batches take (so a part streams to its shards batch by batch):
     longest first, equal lengths in input order; which samples make a part is unchanged."""
     from deepspec.cache.build import length_batches
 
     lengths = np.array([3, 9, 5, 9, 1, 7, 30])
-    plan = plan_parts(lengths, np.full(7, -1), [], 26)
-    assert [(n, r.tolist()) for n, r in plan] == [("p000000", [1, 3, 2, 0]), ("p000001", [5, 4]), ("p000002", [6])]
+    assert store_order(np.arange(4), lengths).tolist() == [1, 3, 2, 0]
 
     class S:  # a Sample's length is all length_batches reads
         def __init__(self, n):
             self.input_ids = [0] * n
-    batches = length_batches([S(int(lengths[i])) for i in plan[0][1]], 20)
+    batches = length_batches([S(int(lengths[i])) for i in [1, 3, 2, 0]], 20)
     assert batches == [[0, 1], [2, 3]]  # consecutive: store order = batch order (9+9, then 5+3 padded to 10)
+
+
+def test_the_plan_is_cut_by_content_and_each_part_named_by_what_it_holds():
+    rng = np.random.default_rng(3)
+    n = 400
+    index = RowIndex("x", n, rng.integers(0, 2**63, n, dtype=np.uint64), rng.integers(5, 60, n), np.zeros(n, np.int64),
+                     np.arange(1, n + 1), [], rng.integers(0, 2**63, (n, 2), dtype=np.uint64))
+    plan = plan_store(index, 500)
+    assert sorted(np.concatenate([rows for _, rows in plan]).tolist()) == list(range(n))
+    for name, rows in plan:
+        assert name == part_name(index.keys[rows], index.sample_ids[rows])
+        assert index.lengths[rows].sum() <= 500
+        assert rows.tolist() == store_order(np.sort(rows), index.lengths).tolist()
+    # one sample changed: one or two parts get new names, every other part is the same
+    changed = RowIndex(**{**index.__dict__, "keys": index.keys.copy()})
+    changed.keys[n // 2] = [1, 2]
+    names = {name for name, _ in plan}
+    assert 1 <= len(names - {name for name, _ in plan_store(changed, 500)}) <= 2
 
 
 def test_multi_rank_resume_equals_an_uninterrupted_multi_rank_build(tmp_path, trained_target, monkeypatch):

@@ -101,13 +101,18 @@ def test_rerun_is_a_no_op_and_growth_appends_parts(tmp_path, trained_target):
     parts_before = [p["name"] for p in CacheReader(url).manifest["parts"]]
     report = build(work, part_tokens=200)
     assert array_hashes(url) == before and report["manifest"]["num_samples"] == 30
-    workdir(tmp_path, trained_target, regen_rows())  # the source grew
-    build(work, part_tokens=200)
+    assert report["parts_kept"] == len(parts_before)
+    workdir(tmp_path, trained_target, regen_rows())  # the source grew (rows appended)
+    report = build(work, part_tokens=200)
     after = array_hashes(url)
-    # no part array rewritten (the consolidated index, index/c/0/0, grows with the store)
-    assert all(after[k] == v for k, v in before.items() if k.startswith("parts"))
     reader = CacheReader(url)
-    assert [p["name"] for p in reader.manifest["parts"]][:len(parts_before)] == parts_before
+    names = [p["name"] for p in reader.manifest["parts"]]
+    # parts are cut by content: appended rows change only the last part; every other part keeps
+    # its name and files (the consolidated index is a new object)
+    assert names[:len(parts_before) - 1] == parts_before[:-1]
+    assert report["parts_kept"] >= len(parts_before) - 1
+    assert all(after[k] == v for k, v in before.items() if k.split("/")[1] in names)
+    assert not any(k.startswith(f"parts/{parts_before[-1]}/") for k in after) or parts_before[-1] in names
     assert len(reader) == len(regen_rows())
     assert sorted(sample_id_to_str(i) for i in reader.sample_ids()) == sorted(r["id"] for r in regen_rows())
 
@@ -121,7 +126,7 @@ def test_content_params_change_prunes_and_rebuilds(tmp_path, trained_target, cap
     assert "existing cache is stale (layers:" in caplog.text
     reader = CacheReader(url)
     assert reader.layers == [0] and len(reader) == 10
-    assert not (Path(url) / "parts" / "p000000" / "hidden" / "-1").exists()
+    assert (Path(url) / "parts").is_dir() and not list((Path(url) / "parts").glob("*/hidden/-1"))
 
 
 def test_fp8_and_codecs_round_trip(tmp_path, trained_target):
@@ -150,11 +155,12 @@ def test_flipped_byte_is_detected_naming_the_chunk(tmp_path, trained_target):
     build(work, chunk_tokens=16)
     url = str(work / "data" / "cache.zarr")
     assert verify(url)["ok"]
-    shard = Path(url) / "parts" / "p000000" / "hidden" / "0" / "c" / "0" / "0"
+    first = CacheReader(url).manifest["parts"][0]["name"]
+    shard = Path(url) / "parts" / first / "hidden" / "0" / "c" / "0" / "0"
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF  # inside chunk 0
     shard.write_bytes(bytes(data))
-    with pytest.raises(ChecksumError, match=r"parts/p000000/hidden/0/c/0/0: chunk 0 checksum mismatch"):
+    with pytest.raises(ChecksumError, match=rf"parts/{first}/hidden/0/c/0/0: chunk 0 checksum mismatch"):
         verify(url)
     with pytest.raises(ChecksumError, match="chunk 0 checksum mismatch"):
         CacheReader(url).read(0)
@@ -204,9 +210,13 @@ def test_unwritable_url_and_failed_part_leave_no_half_committed_part(tmp_path, t
     from deepspec.cache.zarr_store import ZarrStore
 
     real = ZarrStore._open_shard
+    seen = []
 
     def flaky(self, key):
-        if "/p000002/hidden" in f"/{key}":
+        name = key.split("/")[1] if key.startswith("parts/") else None
+        if name is not None and name not in seen:
+            seen.append(name)
+        if name is not None and seen.index(name) == 2:
             raise OSError(28, "No space left on device")
         return real(self, key)
 
@@ -215,9 +225,16 @@ def test_unwritable_url_and_failed_part_leave_no_half_committed_part(tmp_path, t
         build(work, part_tokens=200)
     monkeypatch.setattr(ZarrStore, "_open_shard", real)
     url = str(work / "data" / "cache.zarr")
-    reader = CacheReader(url)
-    assert [p["name"] for p in reader.manifest["parts"]] == ["p000000", "p000001"]
-    build(work, part_tokens=200)  # the rerun prunes the half-written part and finishes
+    # the root still lists what the last finished run listed (nothing: this is the first run);
+    # the two parts written before the failure are committed and kept for the rerun
+    assert len(CacheReader(url)) == 0
+    writer = CacheWriter(url, CacheReader(url).manifest.to_dict(), prune_stale=False)
+    committed = sorted(writer.committed_parts())
+    writer.abort()
+    writer.release()
+    assert committed == sorted(seen[:2])
+    report = build(work, part_tokens=200)  # the rerun prunes the half-written part and finishes
+    assert report["parts_kept"] == 2
     assert len(CacheReader(url)) == 30 and verify(url)["ok"]
 
 

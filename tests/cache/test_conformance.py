@@ -2,10 +2,11 @@
 against Zarr and HDF5, on local disk and on S3 (moto), the way zarr-python tests its stores.
 
 It states the writer's rules (docs/cache-format.md §7): every array round-trips bit for bit through
-the loader; a committed part is never rewritten; an interrupted writer leaves nothing a reader
-lists and a rerun is byte-identical to an uninterrupted build; growth changes nothing but the
-manifest; ranks of one job write disjoint parts and rank 0 lists them all; a damaged committed part
-is dropped with every part after it; corruption is named by part, array and chunk.
+the loader; a committed part is never rewritten; an interrupted writer leaves the store reading as
+its last consolidation and a rerun is byte-identical to an uninterrupted build; growth changes
+nothing but the manifest and the index; a new manifest lists exactly the parts it is given (a local
+store then holds only those); ranks of one job write disjoint parts and rank 0 lists them all; a
+damaged committed part is dropped and written again; corruption is named by part, array and chunk.
 """
 import hashlib
 import os
@@ -176,7 +177,7 @@ def test_a_streamed_part_stopped_midway_is_not_committed(where):
     feed.put({k: (bits[:6], scale) for k, (bits, scale) in parts[1].hidden.items()})
     w.abort()  # what the stage does when a forward pass raises
     w.release()
-    assert [p.name for p in CacheReader(url, options).manifest.parts] == ["p000000"]
+    assert CacheReader(url, options).manifest.parts == []  # readers see the last consolidation: none yet
     with CacheWriter(url, manifest(kind), options) as w:
         assert sorted(w.committed_parts()) == ["p000000"]
         for p in parts[1:]:
@@ -225,8 +226,9 @@ def test_an_s3_shard_larger_than_an_upload_block_is_a_create_only_multipart_uplo
 
 
 def test_an_interrupted_writer_resumes_to_a_byte_identical_store(where, tmp_path):
-    """A writer that dies right before committing its third part (the last lease check) leaves no
-    listed part; the rerun writes the rest and the store equals an uninterrupted build."""
+    """A writer that dies right before committing its third part (the last lease check) leaves the
+    store as it was (no part listed); the rerun writes the rest and the store equals an
+    uninterrupted build."""
     kind, url, options = where
     parts = [make_part(f"p{i:06d}", i + 1) for i in range(4)]
     clean = (kind, url + "-clean", options)
@@ -247,7 +249,7 @@ def test_an_interrupted_writer_resumes_to_a_byte_identical_store(where, tmp_path
     with pytest.raises(CacheFormatError, match="killed"):
         w.close()
     w.release()
-    assert [p.name for p in CacheReader(url, options).manifest.parts] == ["p000000", "p000001"]
+    assert CacheReader(url, options).manifest.parts == []
 
     with CacheWriter(url, manifest(kind), options) as w:
         assert sorted(w.committed_parts()) == ["p000000", "p000001"]
@@ -266,10 +268,63 @@ def test_growth_adds_parts_and_changes_nothing_but_the_manifest_and_index(where)
     after = files(url, options)
     changed = {k for k in before if after.get(k) != before[k]}
     root = {k for k in before if k.endswith(("/zarr.json", "/manifest.json")) and k.count("/") == 1}
-    index = {k for k in before if k.startswith(("/index/", "/index.h5"))}
-    assert len(root) == 1 and index and changed == root | index
+    index = {k for k in before if k.startswith("/index/")}
+    assert len(root) == 1 and index and root <= changed <= root | index
     assert not any(k.startswith("/parts/") for k in changed)
+    assert all(k in after for k in before if k.startswith("/parts/"))
     assert len(CacheReader(url, options)) == 9
+
+
+def test_a_manifest_lists_exactly_the_parts_it_is_given_and_a_local_store_keeps_only_those(where):
+    """What the cache stage does when its input loses rows: the new root lists the planned parts in
+    plan order; readers see only them; a local store deletes the others, a store on S3 keeps them as
+    a pool (another experiment's manifest may still list them)."""
+    kind, url, options = where
+    parts = [make_part(f"p{i:06d}", i + 1) for i in range(3)]
+    write(where, parts)
+    with CacheWriter(url, manifest(kind), options) as w:
+        w.close(consolidate=False)
+        m = w.write_manifest(["p000002", "p000000"])
+    assert [p["name"] for p in m["parts"]] == ["p000002", "p000000"]
+    reader = CacheReader(url, options)
+    assert [p.name for p in reader.manifest.parts] == ["p000002", "p000000"]
+    expect_equal(reader, [parts[2], parts[0]])
+    w = CacheWriter(url, manifest(kind), options, prune_stale=False)
+    kept = sorted(w.committed_parts())
+    w.abort()
+    w.release()
+    assert kept == (["p000000", "p000002"] if options is None else ["p000000", "p000001", "p000002"])
+    with pytest.raises(CacheFormatError, match="should be listed but are not committed"):
+        with CacheWriter(url, manifest(kind), options) as w:
+            w.write_manifest(["p000009"])
+
+
+def test_a_reader_pinned_to_a_recorded_manifest_reads_exactly_its_parts(where):
+    """What `train` does with data/cache/manifest.json: another run may switch the root of a store
+    on S3 (a pool of parts) between the cache stage and training; the pinned reader still reads
+    the recorded parts and index. Where the recorded parts are gone (a local store rebuilt for
+    other input), it says so instead of reading the wrong samples."""
+    kind, url, options = where
+    parts = [make_part(f"p{i:06d}", i + 1) for i in range(3)]
+    with CacheWriter(url, manifest(kind), options) as w:
+        for part in parts[:2]:
+            w.submit(part)
+        w.close(consolidate=False)
+        recorded = dict(w.write_manifest(["p000000", "p000001"]), url=url)
+    with CacheWriter(url, manifest(kind), options) as w:  # another experiment's input
+        w.submit(parts[2])
+        w.close(consolidate=False)
+        w.write_manifest(["p000002"])
+    expect_equal(CacheReader(url, options), [parts[2]])
+    if options is None:
+        with pytest.raises(CacheFormatError, match="no longer in the store"):
+            CacheReader(url, options, manifest=recorded)
+        return
+    pinned = CacheReader(url, options, manifest=recorded)
+    assert [p.name for p in pinned.manifest.parts] == ["p000000", "p000001"]
+    expect_equal(pinned, parts[:2])
+    with pytest.raises(CacheFormatError, match="not the recorded manifest's"):
+        CacheReader(url, options, manifest=dict(recorded, layers=[0]))
 
 
 def test_ranks_of_one_job_write_disjoint_parts_and_rank_zero_lists_them(where):
@@ -337,7 +392,7 @@ def test_a_flipped_byte_is_named_by_part_array_and_chunk(where):
     assert CacheReader(url, options, verify=False).read(first, layers=[0])  # other arrays read fine
 
 
-def test_a_damaged_committed_part_is_dropped_with_every_part_after_it(where):
+def test_a_damaged_committed_part_is_dropped_and_written_again(where):
     local_only(where)
     kind, url, options = where
     parts = [make_part(f"p{i:06d}", i + 1) for i in range(3)]
@@ -347,9 +402,8 @@ def test_a_damaged_committed_part_is_dropped_with_every_part_after_it(where):
     path = Path(url) / key
     os.truncate(path, path.stat().st_size // 2)  # a power loss before the data reached the disk
     with CacheWriter(url, manifest(kind), options) as w:
-        assert sorted(w.committed_parts()) == ["p000000"]
-        for p in parts[1:]:
-            w.submit(p)
+        assert sorted(w.committed_parts()) == ["p000000", "p000002"]
+        w.submit(parts[1])
     assert files(url, options) == clean
 
 
@@ -386,8 +440,8 @@ def test_the_manifest_is_typed_and_keeps_unknown_keys(where):
     assert isinstance(m.parts[0], PartEntry) and m.parts[0].tokens == int(make_part("p000000", 1).lengths.sum())
     assert m.extra == {"imported_from": {"format": "x"}} and m["imported_from"] == {"format": "x"}
     assert Manifest.from_dict(m.to_dict()) == m
-    with pytest.raises(CacheFormatError, match="format_version 3 is not supported"):
-        Manifest.from_dict(dict(m.to_dict(), format_version=3))
+    with pytest.raises(CacheFormatError, match="format_version 4 is not supported"):
+        Manifest.from_dict(dict(m.to_dict(), format_version=4))
 
 
 def test_reading_a_layer_that_is_not_cached_names_it(where):
@@ -481,27 +535,25 @@ def test_a_commit_writes_nothing_at_the_root_and_consolidation_writes_it_once(wh
     assert reader.manifest.consolidated and reader.manifest.index["samples"] == 12 and len(reader) == 12
     with CacheWriter(url, manifest(kind), options) as w:  # growth: again nothing at the root per commit
         probe()
-        w.write_part(make_part("p000006", 7, samples=2))  # the first commit of a run marks the root once
-        assert probe() <= 1 and not CacheReader(url, options).manifest.consolidated
-        for i in (7, 8):
+        for i in (6, 7, 8):
             w.write_part(make_part(f"p{i:06d}", i + 1, samples=2))
-            assert probe() == 0
+            assert probe() == 0 and len(CacheReader(url, options)) == 12  # readers keep the last root
     assert len(CacheReader(url, options)) == 18
 
 
-def test_a_store_never_consolidated_opens_by_listing_and_resumes(where):
-    """A writer killed after committing parts (never consolidated) leaves a store that opens, by
-    listing its committed parts, and whose resume finds them; the next close consolidates."""
+def test_a_writer_killed_before_consolidating_leaves_the_last_consolidation_and_resumes(where):
+    """A writer killed after committing parts (never consolidated) leaves a store that reads as its
+    last consolidation (here: the parts of an earlier run), whose resume finds the new parts; the
+    next close lists them."""
     kind, url, options = where
     parts = [make_part(f"p{i:06d}", i + 1) for i in range(3)]
+    write(where, parts[:1])
     w = CacheWriter(url, manifest(kind), options)
-    for p in parts[:2]:
-        w.write_part(p)
+    w.write_part(parts[1])
     w.release()  # killed: no close, no consolidation
     reader = CacheReader(url, options)
-    assert not reader.manifest.consolidated and reader.manifest.index is None
-    assert [p.name for p in reader.manifest.parts] == ["p000000", "p000001"]
-    expect_equal(reader, parts[:2])
+    assert reader.manifest.consolidated and [p.name for p in reader.manifest.parts] == ["p000000"]
+    expect_equal(reader, parts[:1])
     assert verify(url, options)["ok"]
     with CacheWriter(url, manifest(kind), options) as w:
         assert sorted(w.committed_parts()) == ["p000000", "p000001"]

@@ -18,14 +18,19 @@ def store_files(url: str) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def interrupted_build(work: Path, monkeypatch, fail_at: str = "p000003") -> str:
-    """A build that stops while writing part `fail_at`: the parts before it are committed."""
+def interrupted_build(work: Path, monkeypatch, fail_at: int = 3) -> tuple[str, list[str]]:
+    """A build that stops while writing its `fail_at`-th part (0-based, in write order): the parts
+    before it are committed. Returns the store's url and the names of the parts it started."""
     from deepspec.cache.zarr_store import ZarrStore
 
     real = ZarrStore._open_shard
+    seen: list[str] = []
 
     def failing(self, key):  # the part's hidden shards are opened once its small arrays are written
-        if f"/{fail_at}/hidden" in f"/{key}":
+        name = key.split("/")[1] if key.startswith("parts/") else None
+        if name is not None and name not in seen:
+            seen.append(name)
+        if name is not None and seen.index(name) == fail_at and "/hidden" in key:
             raise OSError(5, "Input/output error")
         return real(self, key)
 
@@ -33,7 +38,7 @@ def interrupted_build(work: Path, monkeypatch, fail_at: str = "p000003") -> str:
     with pytest.raises(Exception, match="Input/output error"):
         build(work, part_tokens=200)
     monkeypatch.setattr(ZarrStore, "_open_shard", real)
-    return str(work / "data" / "cache.zarr")
+    return str(work / "data" / "cache.zarr"), seen
 
 
 @pytest.fixture
@@ -46,17 +51,18 @@ def clean_store(tmp_path, trained_target) -> str:
 def test_truncated_committed_shard_is_detected_and_rewritten(tmp_path, trained_target, clean_store, monkeypatch,
                                                              caplog):
     """A power loss without fsync can leave a committed part whose shard lost its tail (or all of it):
-    the rerun must not accept it. The part (and every later one, so the packing repeats) is rebuilt."""
+    the rerun must not accept it. The damaged parts are rebuilt; the others are kept."""
     work = workdir(tmp_path / "crash", trained_target, regen_rows(30))
-    url = interrupted_build(work, monkeypatch)
+    url, seen = interrupted_build(work, monkeypatch)
     parts = Path(url) / "parts"
-    assert sorted(p.name for p in parts.iterdir() if p.is_dir())[:3] == ["p000000", "p000001", "p000002"]
-    shard = parts / "p000001" / "hidden" / "2" / "c" / "0" / "0"
+    assert set(seen[:3]) <= {p.name for p in parts.iterdir() if p.is_dir()}
+    shard = parts / seen[1] / "hidden" / "2" / "c" / "0" / "0"
     size = shard.stat().st_size
     os.truncate(shard, size // 2)                                   # lost tail: the index is gone
-    os.truncate(parts / "p000002" / "input_ids" / "c" / "0", 0)     # delayed allocation: an empty file
-    build(work, part_tokens=200)
-    assert "parts/p000001" in caplog.text and "damaged" in caplog.text
+    os.truncate(parts / seen[2] / "input_ids" / "c" / "0", 0)       # delayed allocation: an empty file
+    report = build(work, part_tokens=200)
+    assert f"parts/{seen[1]}" in caplog.text and "damaged" in caplog.text
+    assert report["parts_kept"] == 1
     assert array_hashes(url) == array_hashes(clean_store)
     assert store_files(url) == store_files(clean_store)
     assert verify(url)["ok"]
@@ -83,12 +89,12 @@ def test_debris_of_a_killed_writer_is_pruned(tmp_path, trained_target, clean_sto
     """Everything a SIGKILL can leave (zarr's LocalStore writes `<name>.<uuid>.partial` then renames;
     a part group is created uncommitted first) is deleted on the next open, so DVC never hashes it."""
     work = workdir(tmp_path / "crash", trained_target, regen_rows(30))
-    url = interrupted_build(work, monkeypatch)
+    url, seen = interrupted_build(work, monkeypatch)
     root, tmp = Path(url), f".{uuid.uuid4().hex}.partial"
     (root / f"zarr{tmp}").write_text('{"zarr_format": 3, "node_')           # root manifest being replaced
     (root / "parts" / f"zarr{tmp}").write_text("")                           # parts group being created
-    (root / "parts" / "p000003" / "hidden" / "2" / "c" / "0").mkdir(parents=True, exist_ok=True)
-    (root / "parts" / "p000003" / "hidden" / "2" / "c" / "0" / f"0{tmp}").write_bytes(b"\0" * 100)
+    (root / "parts" / seen[3] / "hidden" / "2" / "c" / "0").mkdir(parents=True, exist_ok=True)
+    (root / "parts" / seen[3] / "hidden" / "2" / "c" / "0" / f"0{tmp}").write_bytes(b"\0" * 100)
     (root / "parts" / "p000004" / "offsets").mkdir(parents=True)             # killed before its zarr.json
     (root / "parts" / "p000005").mkdir()
     (root / "parts" / "p000005" / "zarr.json").write_text("")                # commit mark lost (power loss)

@@ -41,8 +41,13 @@ def test_part_files_open_with_plain_h5py_and_every_dataset_equals_the_loader(h5_
 
     reader = CacheReader(str(h5_cache))
     assert reader.storage == "hdf5"
-    assert sorted(os.listdir(h5_cache)) == ["index.h5", "manifest.json", "parts"]
-    assert sorted(os.listdir(h5_cache / "parts")) == [f"{p}.h5" for p in reader.parts]
+    assert sorted(os.listdir(h5_cache)) == ["index", "manifest.json", "parts"]
+    # the consolidated index: one file named by its content, a plain [samples, 6] uint64 dataset
+    assert [f"index/{n}" for n in os.listdir(h5_cache / "index")] == [reader.manifest.index["key"]]
+    with h5py.File(h5_cache / reader.manifest.index["key"], "r") as f:
+        assert f["index"].shape == (len(reader), 6) and list(f.attrs["columns"])[-2:] == ["key_hi", "key_lo"]
+        assert np.array_equal(f["index"][:, 4:], reader.keys())
+    assert sorted(os.listdir(h5_cache / "parts")) == sorted(f"{p}.h5" for p in reader.parts)
     for p, name in enumerate(reader.parts):
         with h5py.File(h5_cache / "parts" / f"{name}.h5", "r") as f:
             for array in part_arrays(reader.layers, reader.dtype):
@@ -103,7 +108,8 @@ def test_hdf5_on_s3_is_one_object_per_part_and_reads_back(h5_cache, moto):
     convert(str(h5_cache), url, storage="hdf5", dst_storage_options=moto.storage_options)
     keys = sorted(o["Key"] for o in moto.client().list_objects_v2(Bucket=bucket)["Contents"])
     parts = CacheReader(str(h5_cache)).parts
-    assert keys == ["store/index.h5", "store/manifest.json"] + [f"store/parts/{p}.h5" for p in parts]
+    index = CacheReader(url, moto.storage_options).manifest.index["key"]
+    assert keys == [f"store/{index}", "store/manifest.json"] + sorted(f"store/parts/{p}.h5" for p in parts)
     same_samples(str(h5_cache), url, moto.storage_options)
     assert verify(url, moto.storage_options)["ok"]
 
