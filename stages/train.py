@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from deepspec.cache.format import CacheFormatError
-from deepspec.cache.store import built_store_url
+from deepspec.cache.store import built_manifest, built_store_url
 from deepspec.stage import StageError, configure_threads, run_stage
 from deepspec.train.checkpoint import CheckpointError
 from deepspec.train.run import run_training
@@ -38,7 +38,7 @@ def main(params):
         store = built_store_url(params.cache.url)  # cache.url itself, or the stage's store in an S3 lake
         final = run_training(cfg, params.train_layers, store, Path("data/target"), Path("data/draft"),
                              Path("data/train"), Path("data/train_state"), params.cache.storage_options,
-                             rank, world, device)
+                             rank, world, device, manifest=built_manifest())
     except (CacheFormatError, CheckpointError, TrainError) as e:
         error = str(e)  # only the message: the exception's frames hold the trainer and its DDP module
     finally:

@@ -102,17 +102,18 @@ def resume_fingerprint(cfg: TrainConfig, layers: list[int], target_id: str, mani
 
 def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_dir: Path, out_dir: Path,
                   state_dir: Path, storage_options: dict | None = None, rank: int = 0, world: int = 1,
-                  device: torch.device | None = None) -> Trainer:
+                  device: torch.device | None = None, manifest: dict | None = None) -> Trainer:
+    """`manifest`: the cache stage's recorded manifest; the trainer reads exactly the parts it lists."""
     device = device or torch.device("cpu")
     identity = load_identity(target_dir)
     dataset = TargetCacheDataset(cache_url, layers=layers, storage_options=storage_options,
-                                 expect={"target": identity}, read_ahead=cfg.read_ahead)
+                                 expect={"target": identity}, read_ahead=cfg.read_ahead, manifest=manifest)
     counts = None
     if cfg.algorithm == "eagle3":
         from deepspec.models.eagle3 import loss_token_counts
 
         tokens = TargetCacheDataset(cache_url, layers=[], fields=("input_ids", "loss_mask"),
-                                    storage_options=storage_options)
+                                    storage_options=storage_options, manifest=manifest)
         counts = loss_token_counts(tokens)
     model = new_draft(cfg, layers, target_dir, counts).to(device)
     if counts is not None:
@@ -133,9 +134,9 @@ def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_di
 
 def run_training(cfg: TrainConfig, layers: list[int], cache_url: str, target_dir: Path, draft_dir: Path,
                  out_dir: Path, state_dir: Path, storage_options: dict | None = None, rank: int = 0,
-                 world: int = 1, device: torch.device | None = None) -> dict:
+                 world: int = 1, device: torch.device | None = None, manifest: dict | None = None) -> dict:
     trainer = build_trainer(cfg, layers, cache_url, target_dir, out_dir, state_dir, storage_options, rank, world,
-                            device)
+                            device, manifest)
     final = trainer.fit()
     if rank == 0:
         if draft_dir.exists():
