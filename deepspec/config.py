@@ -34,6 +34,9 @@ class SplitConfig:
     seed: int = _f(0, ge=0)
     test_fraction: float = _f(0.05, ge=0.0, lt=1.0)
     hf_split: str = "train"
+    # more rejected rows than this fraction of those read fails the stage: a source in the wrong
+    # format must not pass as a small dataset
+    max_reject_fraction: float = _f(0.5, ge=0.0, le=1.0)
 
 
 @dataclass
@@ -92,6 +95,9 @@ class RegenConfig:
     server_port: int = _f(0, ge=0, le=65535)
     server_start_timeout_s: float = _f(300.0, gt=0.0)
     api_key_env: str = "OPENAI_API_KEY"
+    # sglang servers this stage launches run with --enable-deterministic-inference (slower, but the
+    # same params give the same answers, so the cache downstream is reused)
+    deterministic: bool = True
 
 
 @dataclass

@@ -2,14 +2,14 @@
 import json
 
 from deepspec.data.sources import SourceError
-from deepspec.data.split import run_split
+from deepspec.data.split import SplitError, run_split
 from deepspec.stage import StageError, run_stage
 
 
 def main(params):
     try:
         report = run_split(params.split, "data/split")
-    except SourceError as e:
+    except (SourceError, SplitError) as e:
         raise StageError(str(e)) from None
     print(json.dumps(report, indent=2))
 

@@ -21,6 +21,12 @@ from deepspec.io import atomic_open, hash_unit, write_json
 
 log = logging.getLogger(__name__)
 
+SHOW_REJECTED = 5   # rejected rows named in the log and in an error; all of them are in rejected.jsonl
+
+
+class SplitError(RuntimeError):
+    """The source yielded no usable row, or too many rows were rejected: nothing is written."""
+
 
 def prompt_key(turns: list[dict]) -> str:
     """The opening user message, case- and whitespace-normalised: the unit the split assigns."""
@@ -68,7 +74,6 @@ def split_rows(cfg: SplitConfig) -> SplitResult:
             if row_id in seen:
                 raise RowRejected("duplicate", f"same content as an earlier row (id {row_id})")
         except RowRejected as e:
-            log.info("rejected %s: %s %s", raw.where, e.reason, e.detail)
             rejected.append({"where": raw.where, "reason": e.reason, "detail": e.detail})
             continue
         seen.add(row_id)
@@ -82,6 +87,34 @@ def split_rows(cfg: SplitConfig) -> SplitResult:
         else:
             train.append({"id": row_id, "task": task, "source": source, "conversations": turns})
     return SplitResult(train, evals, rejected, read)
+
+
+def rejection_summary(result: SplitResult) -> str:
+    """Counts by reason and the first few rejected rows (file:line), for a log line or an error."""
+    counts = collections.Counter(r["reason"] for r in result.rejected)
+    lines = [f"{result.read} rows read, {len(result.rejected)} rejected ("
+             + ", ".join(f"{reason}: {n}" for reason, n in counts.most_common()) + ")"]
+    lines += [f"  {r['where']}: {r['reason']} {r['detail']}".rstrip()
+              for r in result.rejected[:SHOW_REJECTED]]
+    if len(result.rejected) > SHOW_REJECTED:
+        lines.append(f"  ... {len(result.rejected) - SHOW_REJECTED} more in rejected.jsonl")
+    return "\n".join(lines)
+
+
+def check_result(result: SplitResult, cfg: SplitConfig) -> None:
+    kept = len(result.train) + len(result.eval)
+    if result.read == 0:
+        raise SplitError(f"{cfg.source}: the source holds no rows")
+    if kept == 0:
+        raise SplitError(f"{cfg.source}: no row is usable\n{rejection_summary(result)}")
+    fraction = len(result.rejected) / result.read
+    if fraction > cfg.max_reject_fraction:
+        raise SplitError(f"{cfg.source}: {fraction:.0%} of rows rejected, more than "
+                         f"split.max_reject_fraction = {cfg.max_reject_fraction}\n"
+                         f"{rejection_summary(result)}")
+    if not result.train:
+        raise SplitError(f"{cfg.source}: every kept row fell on the eval side "
+                         f"(split.test_fraction = {cfg.test_fraction}); no train rows")
 
 
 def builtin_train_rows(cfg: SplitConfig) -> list[dict]:
@@ -114,6 +147,9 @@ def builtin_synthetic_rows(cfg: SplitConfig, n: int) -> list[dict]:
 def run_split(cfg: SplitConfig, out_dir: str | Path = "data/split") -> dict:
     """Read the whole source first, then write every output atomically: a bad source leaves none."""
     result = split_rows(cfg)
+    check_result(result, cfg)
+    if result.rejected:
+        log.warning("%s", rejection_summary(result))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train.jsonl", result.train), ("eval.jsonl", result.eval),

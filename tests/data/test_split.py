@@ -7,7 +7,8 @@ from deepspec.config import ConfigError, SplitConfig
 from deepspec.data.builtin import builtin_chat_rows, number_words
 from deepspec.data.conversation import RowRejected, normalize_conversation, normalize_prompt
 from deepspec.data.sources import SourceError
-from deepspec.data.split import builtin_synthetic_rows, prompt_key, run_split, split_rows
+from deepspec.data.split import (SplitError, builtin_synthetic_rows, prompt_key, run_split,
+                                 split_rows)
 
 
 def conv(*pairs, system=None):
@@ -67,7 +68,7 @@ def test_bad_lines_are_counted_with_line_numbers(tmp_path):
         GOOD[1],
     ])
     out = tmp_path / "out"
-    report = run_split(SplitConfig(source=str(src), test_fraction=0.0), out)
+    report = run_split(SplitConfig(source=str(src), test_fraction=0.0, max_reject_fraction=1.0), out)
     assert report["read"] == 9 and report["kept"] == 2
     assert report["rejected"] == {"duplicate": 1, "empty_content": 1, "malformed_json": 1,
                                   "missing_conversations": 1, "non_utf8": 1,
@@ -77,6 +78,45 @@ def test_bad_lines_are_counted_with_line_numbers(tmp_path):
     assert rejected["non_utf8"] == f"{src}:7"
     assert rejected["duplicate"] == f"{src}:8"
     assert json.loads((out / "report.json").read_text()) == report
+
+
+def test_a_source_of_only_malformed_lines_fails_with_reasons_and_writes_nothing(tmp_path, caplog):
+    src = tmp_path / "not.jsonl"
+    src.write_text("".join(f"line {i} is not json\n" for i in range(1000)))
+    out = tmp_path / "out"
+    with caplog.at_level("INFO"), pytest.raises(SplitError) as e:
+        run_split(SplitConfig(source=str(src)), out)
+    msg = str(e.value)
+    assert "no row is usable" in msg and "1000 rows read, 1000 rejected (malformed_json: 1000)" in msg
+    assert f"{src}:1: malformed_json" in msg and f"{src}:5: malformed_json" in msg
+    assert f"{src}:6:" not in msg and "995 more in rejected.jsonl" in msg
+    assert len(caplog.records) < 10    # a summary, not a line per rejected row
+    assert not out.exists()
+
+
+def test_an_empty_source_fails(tmp_path):
+    src = tmp_path / "empty.jsonl"
+    src.write_bytes(b"")
+    with pytest.raises(SplitError, match="empty.jsonl: the source holds no rows"):
+        run_split(SplitConfig(source=str(src)), tmp_path / "out")
+
+
+def test_more_rejections_than_the_threshold_fail_and_keep_previous_outputs(tmp_path, caplog):
+    src = write_jsonl(tmp_path / "src.jsonl", GOOD[:10] + [b"{bad\n"] * 11)
+    out = tmp_path / "out"
+    with pytest.raises(SplitError, match=r"52% of rows rejected, more than split.max_reject_fraction = 0.5"):
+        run_split(SplitConfig(source=str(src)), out)
+    assert not out.exists()
+    with caplog.at_level("WARNING"):
+        report = run_split(SplitConfig(source=str(src), max_reject_fraction=0.6), out)
+    assert report["rejected"] == {"malformed_json": 11} and report["kept"] == 10
+    [summary] = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
+    assert summary.startswith("21 rows read, 11 rejected (malformed_json: 11)")
+    before = (out / "train.jsonl").read_bytes()
+    src.write_bytes(b"{bad\n" * 3)
+    with pytest.raises(SplitError):
+        run_split(SplitConfig(source=str(src)), out)
+    assert (out / "train.jsonl").read_bytes() == before
 
 
 def test_missing_source_is_a_clear_error_and_writes_nothing(tmp_path):
