@@ -5,9 +5,10 @@ import os
 from pathlib import Path
 
 from deepspec.data.regen import (Endpoint, Journal, JournalError, ProbeError, ProbeRejected, load_rows, model_eos,
-                                 probe_endpoints, regen_fingerprint, request_token_bound, run_regen, select_rows,
-                                 write_outputs)
+                                 probe_endpoints, regen_fingerprint, reproducibility, request_token_bound, run_regen,
+                                 select_rows, write_outputs)
 from deepspec.data.servers import ServerError, cb_budget, launch_sglang, launch_transformers_serve
+from deepspec.io import write_json
 from deepspec.models.target import load_identity
 from deepspec.stage import StageError, run_stage
 
@@ -40,7 +41,7 @@ def start_endpoints(cfg, sampling, rows, stack):
         return [Endpoint(server.url, server.model)]
     if cfg.backend == "sglang" and cfg.launch_servers > 0:
         endpoints, started = launch_sglang(str(TARGET), cfg.launch_servers, OUT / "logs",
-                                           cfg.server_start_timeout_s)
+                                           cfg.server_start_timeout_s, deterministic=cfg.deterministic)
         stack.extend(started)
         return [Endpoint(s.url, model) for s in endpoints]
     raise StageError(f"regen.urls: backend {cfg.backend!r} needs server URLs (or regen.launch_servers for sglang)")
@@ -49,6 +50,9 @@ def start_endpoints(cfg, sampling, rows, stack):
 def main(params):
     cfg = params.regen
     rows = select_rows(load_rows(Path("data/split/train.jsonl")), cfg)
+    if not rows:
+        raise StageError("regen: data/split/train.jsonl has no rows to regenerate (the split stage's "
+                         "output; check split.source and data/split/report.json)")
     identity = load_identity(TARGET)
     try:
         journal = Journal(OUT / "journal", regen_fingerprint(cfg, params.sampling, identity))
@@ -70,7 +74,9 @@ def main(params):
         for s in reversed(servers):
             s.stop()
     write_outputs(OUT, ordered, errors, params.sampling, identity["id"])
-    summary = {"rows": len(rows), "regenerated": len(ordered), "errors": len(errors)}
+    summary = {"rows": len(rows), "regenerated": len(ordered), "errors": len(errors),
+               **reproducibility(cfg, params.sampling)}
+    write_json(OUT / "report.json", summary)
     print(json.dumps(summary))
     if rows and len(errors) / len(rows) > cfg.max_error_fraction:
         raise StageError(f"regen: {len(errors)} of {len(rows)} samples failed (> regen.max_error_fraction "

@@ -4,7 +4,8 @@ One request per user turn; the history is the regenerated answers so far. Result
 as they complete (one JSON line per finished sample, flushed and fsync'd); a rerun reads the
 journal, drops a torn last line, and only asks for what is missing, so after a kill at any point
 the final file holds every id exactly once. The journal carries a fingerprint of everything that
-shapes an answer (model identity incl. chat template, sampling, backend); a change discards it.
+shapes an answer (model identity incl. chat template, sampling, backend); a change sets it aside
+(`journal-stale-<fingerprint>`), and params that switch back resume it.
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import logging
 import os
 import queue
 import random
-import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -227,14 +227,27 @@ class Journal:
         if directory.exists():
             old = json.loads(meta.read_text()).get("fingerprint") if meta.exists() else None
             if old != fp:
-                log.warning("regen journal fingerprint changed (%s -> %s): discarding %s", old, fp, directory)
-                shutil.rmtree(directory)
+                aside = self.stale_dir(directory, old)
+                if aside.exists():  # an older journal of the same fingerprint: keep both
+                    aside = aside.with_name(f"{aside.name}-{time.strftime('%Y%m%dT%H%M%S')}")
+                log.warning("regen journal fingerprint changed (%s -> %s): %s set aside as %s (delete it "
+                            "to reclaim the space)", old, fp, directory, aside)
+                directory.rename(aside)
+        back = self.stale_dir(directory, fp)
+        if not directory.exists() and back.is_dir():  # params switched back: its finished rows count again
+            log.info("regen journal: resuming %s, set aside earlier under these params", back)
+            back.rename(directory)
         directory.mkdir(parents=True, exist_ok=True)
         if not meta.exists():
             write_json(meta, {"fingerprint": fp})
         self.done: dict[str, dict] = {}
         self._recover()
         self._f = open(self.rows_path, "a", encoding="utf-8")
+
+    @staticmethod
+    def stale_dir(directory: Path, fp: str | None) -> Path:
+        """Where a journal of another fingerprint is set aside: a sibling, never inside an output."""
+        return directory.with_name(f"{directory.name}-stale-{fp}")
 
     def _recover(self) -> None:
         if not self.rows_path.exists():
@@ -384,6 +397,28 @@ def write_outputs(out_dir: Path, ordered: list[dict], errors: list[dict], sampli
     with atomic_open(out_dir / "errors.jsonl") as f:
         for e in errors:
             f.write(json.dumps(e, ensure_ascii=False) + "\n")
+
+
+def reproducibility(cfg: RegenConfig, sampling: SamplingConfig) -> dict:
+    """Whether the same params give the same answers on this backend, and why (for the regen report:
+    a backend that is not reproducible makes every forced rerun a new dataset, and the cache below
+    it is recomputed for every changed answer)."""
+    if cfg.backend == "sglang" and cfg.urls:
+        return {"reproducible": False, "why": "sglang servers given by URL: whether they run with "
+                "--enable-deterministic-inference is not known here"}
+    if cfg.backend == "sglang":
+        return {"reproducible": cfg.deterministic,
+                "why": "sglang launched with --enable-deterministic-inference (batch-invariant kernels, "
+                       "per-request seeds)" if cfg.deterministic else "regen.deterministic is false"}
+    if cfg.backend == "transformers":
+        if cfg.concurrency > 1:
+            return {"reproducible": False, "why": "transformers serve with continuous batching does not "
+                    "reproduce per-request seeds, and an answer depends on what shares its batch"}
+        return {"reproducible": sampling.temperature == 0,
+                "why": "one request at a time: greedy answers repeat; sampled ones depend on the "
+                       "server's global generator" if sampling.temperature else "greedy, one request at a time"}
+    return {"reproducible": False, "why": "an OpenAI-compatible URL: per-request seeds and batch "
+            "invariance are not guaranteed (vLLM honours seeds, but batch composition still changes floats)"}
 
 
 def load_rows(split_train: Path) -> list[dict]:

@@ -163,11 +163,16 @@ def sglang_commands(model_path: str, num_servers: int, base_port: int = 30000, r
     return {"servers": servers, "router": {"cmd": router, "url": f"http://{host}:{router_port}"}}
 
 
+# sglang's batch-invariant kernels: the same request gives the same answer whatever else is in flight
+DETERMINISTIC_SGLANG = ("--enable-deterministic-inference",)
+
+
 def launch_sglang(model_path: str, num_servers: int, log_dir: Path, timeout: float = 1800.0,
-                  use_router: bool = True) -> tuple[list[ManagedServer], list[ManagedServer]]:
+                  use_router: bool = True, deterministic: bool = True) -> tuple[list[ManagedServer], list[ManagedServer]]:
     """Launch N sglang servers (one per GPU) and, optionally, the sglang router in front of them.
     Returns (endpoints requests go to: the router alone or every server, every process started)."""
-    plan = sglang_commands(model_path, num_servers, base_port=free_port(), router_port=free_port())
+    plan = sglang_commands(model_path, num_servers, base_port=free_port(), router_port=free_port(),
+                           extra_args=DETERMINISTIC_SGLANG if deterministic else ())
     started: list[ManagedServer] = []
     try:
         for i, s in enumerate(plan["servers"]):

@@ -16,7 +16,8 @@ from deepspec.config import RegenConfig, SamplingConfig
 from deepspec.data.regen import (Client, Endpoint, Journal, JournalError, ProbeError, ProbeRejected, RequestFailed,
                                  WorkerCrashed, build_request, model_eos, probe_endpoints, request_token_bound,
                                  run_regen, select_rows)
-from deepspec.data.servers import cb_budget, free_port, launch_transformers_serve
+from deepspec.data.regen import reproducibility
+from deepspec.data.servers import DETERMINISTIC_SGLANG, cb_budget, free_port, launch_transformers_serve, sglang_commands
 from tests.conftest import REPO, SAMPLE_CONVERSATIONS, project_env, write_split
 
 MULTI = [{"id": "a" * 16, "conversations": [
@@ -321,6 +322,23 @@ def test_journal_drops_a_torn_line_and_resets_on_new_fingerprint(tmp_path):
     assert Journal(tmp_path / "j", "fp2").done == {}
 
 
+def test_a_journal_of_other_params_is_set_aside_and_resumed_when_they_come_back(tmp_path):
+    j = Journal(tmp_path / "j", "fp1")
+    j.append({"id": "1", "x": 1})
+    j.close()
+    j2 = Journal(tmp_path / "j", "fp2")
+    assert j2.done == {}
+    j2.append({"id": "1", "x": 2})
+    j2.close()
+    aside = tmp_path / "j-stale-fp1"
+    assert [json.loads(line) for line in (aside / "rows.jsonl").read_text().splitlines()] == [{"id": "1", "x": 1}]
+    j1 = Journal(tmp_path / "j", "fp1")  # back to the first params: their finished rows are reused
+    assert j1.done == {"1": {"id": "1", "x": 1}} and not aside.exists()
+    j1.close()
+    assert Journal(tmp_path / "j", "fp2").done == {"1": {"id": "1", "x": 2}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["j", "j-stale-fp1"]
+
+
 @pytest.mark.parametrize("bad_line", [b'{"id": "2", "x"\n', b"\x00\x00\x00\n", b'["not", "a", "row"]\n'])
 def test_journal_line_corrupt_mid_file_is_an_error_naming_file_and_line(tmp_path, bad_line):
     j = Journal(tmp_path / "j", "fp")
@@ -575,3 +593,22 @@ def test_stage_sigkill_then_rerun_has_each_id_exactly_once(trained_target, tmp_p
         if row["id"] in before:
             assert row["conversations"] == before[row["id"]]["conversations"]
     assert (work / "data" / "regen" / "errors.jsonl").read_text() == ""
+
+
+@pytest.mark.parametrize("cfg, sampling, expected", [
+    (RegenConfig(backend="transformers", concurrency=32), SamplingConfig(), False),
+    (RegenConfig(backend="transformers", concurrency=1), SamplingConfig(temperature=0.0), True),
+    (RegenConfig(backend="transformers", concurrency=1), SamplingConfig(), False),
+    (RegenConfig(backend="sglang", launch_servers=8), SamplingConfig(), True),
+    (RegenConfig(backend="sglang", launch_servers=8, deterministic=False), SamplingConfig(), False),
+    (RegenConfig(backend="sglang", urls=["http://10.0.0.5:30000"]), SamplingConfig(), False),
+    (RegenConfig(backend="openai", urls=["http://10.0.0.5:8000"]), SamplingConfig(temperature=0.0), False),
+])
+def test_the_report_says_per_backend_whether_answers_are_reproducible(cfg, sampling, expected):
+    got = reproducibility(cfg, sampling)
+    assert got["reproducible"] is expected and got["why"]
+
+
+def test_launched_sglang_servers_run_deterministic_inference():
+    plan = sglang_commands("m", 2, extra_args=DETERMINISTIC_SGLANG)
+    assert all("--enable-deterministic-inference" in s["cmd"] for s in plan["servers"])
