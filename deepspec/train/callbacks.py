@@ -7,6 +7,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 
+TIMINGS = frozenset({"wall_s"})  # final metrics that depend on the machine, kept to metrics.json
+
+
 class Callback:
     def on_train_begin(self, trainer) -> None: ...
     def on_step_end(self, trainer, metrics: dict) -> None: ...
@@ -73,7 +76,8 @@ class DvcLiveMetrics(Callback):
             return
         final = trainer.final_metrics
         for key, value in final.items():
-            self.live.summary[key] = value
+            if key not in TIMINGS:  # data/train/live is a hashed output: it must not change run to run
+                self.live.summary[key] = value
         self.live.make_summary()
         self.live.end()
 

@@ -151,16 +151,16 @@ def test_params_change_sets_old_checkpoints_aside_until_the_new_run_saves(tmp_pa
 # ---- too little data -----------------------------------------------------------------------------
 
 @pytest.mark.timeout(300)
-def test_an_empty_cache_stops_with_an_error_naming_it(tmp_path, trained_target):
-    from deepspec.cache.build import build_cache
+def test_an_empty_regen_output_stops_before_a_store_train_could_read(tmp_path, trained_target):
+    # the cache stage refuses 0 rows (it never leaves an empty or a previous store for train to read)
+    from deepspec.cache.build import EmptyInput, build_cache
     from deepspec.config import CacheConfig
-    from deepspec.train.trainer import TrainError
 
     (tmp_path / "regen.jsonl").write_text("")
-    build_cache(CacheConfig(url=str(tmp_path / "cache.zarr"), part_tokens=400), [-1, 0, 2], tmp_path / "regen.jsonl",
-                trained_target)
-    with pytest.raises(TrainError, match=r"cache\.zarr: the cache holds 0 samples"):
-        train(tmp_path, tmp_path / "cache.zarr", trained_target)
+    with pytest.raises(EmptyInput, match=r"regen\.jsonl: nothing to cache: it has no rows"):
+        build_cache(CacheConfig(url=str(tmp_path / "cache.zarr"), part_tokens=400), [-1, 0, 2],
+                    tmp_path / "regen.jsonl", trained_target)
+    assert not any((tmp_path / "cache.zarr").glob("parts/*"))
     assert list_checkpoints(tmp_path / "state") == []
 
 
