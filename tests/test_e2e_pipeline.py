@@ -141,6 +141,13 @@ def test_share_through_the_remote(pipeline, remote, moto, tmp_path):
     t0 = time.time()
     dvc(b, "pull")
     TIMINGS["pull (fresh clone)"] = time.time() - t0
+    # what a teammate's machine adds to the tree (a built checksum extension, bytecode, editable-install
+    # metadata) is not a source: every stage stays up to date
+    (b / "deepspec/cache/_checker.cpython-311-x86_64-linux-gnu.so").write_bytes(random.randbytes(4096))
+    (b / "deepspec/cache/__pycache__").mkdir(exist_ok=True)
+    (b / "deepspec/cache/__pycache__/reader.cpython-311.pyc").write_bytes(random.randbytes(512))
+    (b / "deepspec.egg-info").mkdir(exist_ok=True)
+    (b / "deepspec.egg-info/PKG-INFO").write_text("Name: deepspec\n")
     assert "up to date" in dvc(b, "status").stdout
     assert "Running stage" not in dvc(b, "repro").stdout
     params = yaml.safe_load((b / "params.yaml").read_text())
@@ -164,7 +171,8 @@ def test_smaller_cache_experiment(pipeline):
     assert ran == {"cache", "train", "eval"}, out[-3000:]
     manifest = json.loads((pipeline / "data/cache.zarr/zarr.json").read_text())["attributes"]
     assert manifest["layers"] == [9, 25]
-    hidden = sorted(p.name for p in (pipeline / "data/cache.zarr/parts/p000000/hidden").iterdir() if p.is_dir())
+    first = manifest["parts"][0]["name"]
+    hidden = sorted(p.name for p in (pipeline / f"data/cache.zarr/parts/{first}/hidden").iterdir() if p.is_dir())
     assert hidden == ["25", "9"]
     small = json.loads((pipeline / "data/cache/metrics.json").read_text())
     ratio = small["bytes"] / base["bytes"]
@@ -208,11 +216,15 @@ def test_growth_appends_parts_and_pushes_only_new_files(pipeline, remote, moto):
     out = dvc(pipeline, "repro", "cache").stdout
     assert "Running stage 'target'" not in out and "Running stage 'regen'" in out
     parts_after = sorted(p.name for p in (store / "parts").iterdir() if p.is_dir())
-    assert parts_after[:len(parts_before)] == parts_before and len(parts_after) > len(parts_before)
+    # parts are planned in input order with content-defined boundaries: rows appended at the end
+    # rewrite at most the last part, every other part stays byte for byte
+    assert len(set(parts_before) - set(parts_after)) <= 1 and len(parts_after) > len(parts_before)
     after_files = {p: hashlib.md5(p.read_bytes()).hexdigest() for p in store.rglob("*") if p.is_file()}
-    changed = [p for p, h in before_files.items() if after_files.get(p) != h]
-    # only the manifest and the per-sample index that consolidation rewrites once per stage
-    assert sorted(p.relative_to(store).as_posix() for p in changed) == ["index/c/0/0", "index/zarr.json", "zarr.json"]
+    changed = [p for p, h in before_files.items() if p in after_files and after_files[p] != h]
+    # only the root manifest; the index is content-addressed (a new file, the old one pruned)
+    assert [p.relative_to(store).as_posix() for p in changed] == ["zarr.json"]
+    gone = {p.relative_to(store).parts[:2] for p in before_files if p not in after_files}
+    assert {g for g in gone if g[0] == "parts"} == {("parts", n) for n in set(parts_before) - set(parts_after)}
     added = [p for p in after_files if p not in before_files]
     dvc(pipeline, "push")
     after_objects = objects(moto, remote)
