@@ -1,10 +1,12 @@
-"""Regeneration throughput: generated tokens/s at concurrency 1 vs N against the same server.
+"""Regeneration throughput: generated tokens/s at concurrency 1 vs N against the same server, and
+the in-process backend (`regen.backend: local`) at batch N on the same prompts.
 
     python benchmarks/regen.py [--model data/target] [--requests 32] [--concurrency 8] [--url URL]
 
 Starts `transformers serve` (continuous batching) on 127.0.0.1 unless --url is given, sends the
-same prompts from data/split/train.jsonl once one at a time and once N at a time, and prints both
-rates and their ratio (measured side by side in one run).
+same prompts from data/split/train.jsonl once one at a time and twice N at a time, then generates
+them twice in-process in batches of N, and prints every rate, the ratios, and for each backend how
+many answers differ between its two runs (measured side by side in one run).
 """
 from __future__ import annotations
 
@@ -19,21 +21,40 @@ from deepspec.data.regen import Client, Endpoint, build_request, model_eos, requ
 from deepspec.data.servers import cb_budget, launch_transformers_serve
 
 
-def run(client: Client, ep: Endpoint, prompts: list[str], sampling: SamplingConfig, concurrency: int) -> dict:
+def run(client: Client, ep: Endpoint, prompts: list[str], sampling: SamplingConfig,
+        concurrency: int) -> tuple[dict, list[str]]:
+    """(rates, answers) of the prompts sent `concurrency` at a time."""
     eos = model_eos(Path(ep.model))
 
     def one(i_prompt):
         i, prompt = i_prompt
         body = build_request("transformers", ep.model, [{"role": "user", "content": prompt}], sampling, i,
                              eos_token_id=eos)
-        return client.complete(ep, body)[2]
+        return client.complete(ep, body)
 
     t0 = time.time()
     with ThreadPoolExecutor(concurrency) as pool:
-        tokens = sum(pool.map(one, enumerate(prompts)))
+        done = list(pool.map(one, enumerate(prompts)))
     wall = time.time() - t0
+    tokens = sum(n for _, _, n in done)
     return {"concurrency": concurrency, "requests": len(prompts), "tokens": tokens, "seconds": round(wall, 2),
-            "tokens_per_s": round(tokens / wall, 1)}
+            "tokens_per_s": round(tokens / wall, 1)}, [text for text, _, _ in done]
+
+
+def run_local(model: str, prompts: list[str], sampling: SamplingConfig, batch: int) -> tuple[dict, list[str]]:
+    from deepspec.data.generate import LocalGenerator
+
+    gen = LocalGenerator(Path(model), RegenConfig(backend="local", concurrency=batch), sampling,
+                         model_eos(Path(model)))
+    t0, tokens, texts = time.time(), 0, []
+    for a in range(0, len(prompts), batch):
+        chunk = [gen.prompt([{"role": "user", "content": p}]) for p in prompts[a:a + batch]]
+        for text, _, n in gen.answer(chunk, list(range(a, a + len(chunk)))):
+            texts.append(text)
+            tokens += n
+    wall = time.time() - t0
+    return {"batch": batch, "requests": len(prompts), "tokens": tokens, "seconds": round(wall, 2),
+            "tokens_per_s": round(tokens / wall, 1)}, texts
 
 
 def main() -> None:
@@ -63,13 +84,20 @@ def main() -> None:
         ep = Endpoint(server.url, server.model)
     try:
         run(client, ep, prompts[:2], sampling, 2)  # warm-up (paged cache init)
-        seq = run(client, ep, prompts, sampling, 1)
-        par = run(client, ep, prompts, sampling, args.concurrency)
+        seq, _ = run(client, ep, prompts, sampling, 1)
+        par, once = run(client, ep, prompts, sampling, args.concurrency)
+        served = [once, run(client, ep, prompts, sampling, args.concurrency)[1]]
     finally:
         if server:
             server.stop()
-    print(json.dumps({"sequential": seq, "concurrent": par,
-                      "ratio_tokens_per_s": round(par["tokens_per_s"] / seq["tokens_per_s"], 2)}, indent=2))
+    local, first = run_local(args.model, prompts, sampling, args.concurrency)
+    _, second = run_local(args.model, prompts, sampling, args.concurrency)
+    print(json.dumps({"sequential": seq, "concurrent": par, "local": local,
+                      "ratio_tokens_per_s": round(par["tokens_per_s"] / seq["tokens_per_s"], 2),
+                      "ratio_local_to_concurrent": round(local["tokens_per_s"] / par["tokens_per_s"], 2),
+                      "answers_differing_between_two_runs": {
+                          "served": sum(a != b for a, b in zip(*served)),
+                          "local": sum(a != b for a, b in zip(first, second))}}, indent=2))
 
 
 if __name__ == "__main__":

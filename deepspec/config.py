@@ -81,7 +81,8 @@ class SamplingConfig:
 
 @dataclass
 class RegenConfig:
-    backend: Literal["transformers", "sglang", "openai"] = "transformers"
+    # local: the target in this process, batches fixed by the rows (reproducible; deepspec.data.generate)
+    backend: Literal["local", "transformers", "sglang", "openai"] = "local"
     urls: list[str] = _f(factory=list)
     model: str = ""
     fraction: float = _f(0.5, gt=0.0, le=1.0)

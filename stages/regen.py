@@ -7,6 +7,7 @@ from pathlib import Path
 from deepspec.data.regen import (Endpoint, Journal, JournalError, ProbeError, ProbeRejected, load_rows, model_eos,
                                  probe_endpoints, regen_fingerprint, reproducibility, request_token_bound, run_regen,
                                  select_rows, write_outputs)
+from deepspec.data.generate import run_local
 from deepspec.data.servers import ServerError, cb_budget, launch_sglang, launch_transformers_serve
 from deepspec.io import write_json
 from deepspec.models.target import load_identity
@@ -59,6 +60,12 @@ def main(params):
     except JournalError as e:
         raise StageError(str(e)) from None
     api_key = os.environ.get(cfg.api_key_env) if cfg.backend == "openai" else None
+    if cfg.backend == "local":
+        try:
+            ordered, errors = run_local(rows, TARGET, cfg, params.sampling, journal, model_eos(TARGET))
+        finally:
+            journal.close()
+        return finish(cfg, params, rows, ordered, errors, identity)
     servers = []
     try:
         todo = [r for r in rows if r["id"] not in journal.done]
@@ -73,6 +80,10 @@ def main(params):
         journal.close()
         for s in reversed(servers):
             s.stop()
+    finish(cfg, params, rows, ordered, errors, identity)
+
+
+def finish(cfg, params, rows, ordered, errors, identity):
     write_outputs(OUT, ordered, errors, params.sampling, identity["id"])
     summary = {"rows": len(rows), "regenerated": len(ordered), "errors": len(errors),
                **reproducibility(cfg, params.sampling)}

@@ -313,8 +313,11 @@ def request_token_bound(tokenizer, rows: list[dict], sampling: SamplingConfig, d
 
 
 def regen_fingerprint(cfg: RegenConfig, sampling: SamplingConfig, target_identity: dict | None) -> str:
-    return fingerprint({"target": target_identity, "sampling": to_dict(sampling), "backend": cfg.backend,
-                        "disable_thinking": cfg.disable_thinking, "model": cfg.model})
+    shape = {"target": target_identity, "sampling": to_dict(sampling), "backend": cfg.backend,
+             "disable_thinking": cfg.disable_thinking, "model": cfg.model}
+    if cfg.backend == "local":  # the batch plan decides the floats, so it shapes the answers too
+        shape["batch"] = cfg.concurrency
+    return fingerprint(shape)
 
 
 def _journal_finished(results: queue.Queue, journal: Journal) -> None:
@@ -403,6 +406,9 @@ def reproducibility(cfg: RegenConfig, sampling: SamplingConfig) -> dict:
     """Whether the same params give the same answers on this backend, and why (for the regen report:
     a backend that is not reproducible makes every forced rerun a new dataset, and the cache below
     it is recomputed for every changed answer)."""
+    if cfg.backend == "local":
+        return {"reproducible": True, "why": "in-process: batches fixed by the rows (cut by content), "
+                "one generator per row and turn; same machine and thread count, same answers"}
     if cfg.backend == "sglang" and cfg.urls:
         return {"reproducible": False, "why": "sglang servers given by URL: whether they run with "
                 "--enable-deterministic-inference is not known here"}
