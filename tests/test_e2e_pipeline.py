@@ -7,6 +7,7 @@ runs it (the trained target pulled from the repo's `embedded` remote; tests/test
 checks that it is the target stage's output for the current code and params); every test here reuses
 that clone, in the order written.
 """
+import dataclasses
 import hashlib
 import json
 import random
@@ -103,6 +104,27 @@ def test_pipeline_outputs_and_rerun_is_a_no_op(pipeline):
     assert "loss" in dvc(pipeline, "plots", "show", "--json").stdout
 
 
+DATA_STAGES = ("split", "regen", "cache", "train")
+
+
+def data_hashes(lock_text: str) -> dict:
+    """The dvc.lock hashes of the data outputs (metrics files, which hold timings, left out)."""
+    stages = yaml.safe_load(lock_text)["stages"]
+    return {(s, o["path"]): o["md5"] for s in DATA_STAGES for o in stages[s]["outs"]
+            if not o["path"].endswith("metrics.json")}
+
+
+def test_a_second_fresh_clone_reproduces_every_data_output(pipeline, tmp_path):
+    # what two teammates' `make repro` on fresh clones give: the same dvc.lock for every data output
+    other = clone_project(tmp_path / "b")
+    dvc(other, "pull", "-r", "embedded", "target")
+    dvc(other, "repro", "train", timeout=3600)
+    first = run(["git", "show", "HEAD:dvc.lock"], pipeline).stdout
+    assert data_hashes((other / "dvc.lock").read_text()) == data_hashes(first)
+    regen = json.loads((other / "data/regen/report.json").read_text())
+    assert regen["reproducible"] is True
+
+
 def test_greedy_speculative_equals_plain_on_every_eval_prompt(pipeline):
     # every turn the stage evaluated, in every suite (its default subsets), matched plain decoding
     rows = [json.loads(line) for line in (pipeline / "data/eval/prompts.jsonl").read_text().splitlines()]
@@ -189,6 +211,36 @@ def test_smaller_cache_experiment(pipeline):
     dvc(pipeline, "checkout")
 
 
+def test_a_sampling_experiment_recomputes_the_cache_and_retrains(pipeline, tmp_path):
+    # the answers change under the same row ids: the cache must follow them, and train must rerun
+    from deepspec.cache.build import build_cache
+    from deepspec.config import load_params
+    from tests.cache.test_derive import manifest, store_files
+
+    before = json.loads((pipeline / "data/cache.zarr/zarr.json").read_text())["attributes"]
+    out = dvc(pipeline, "exp", "run", "-S", "sampling.temperature=0.9", "-S", "sampling.seed=7",
+              "-S", "train.steps=60", "-S", "eval.suites=[{source: heldout, max_prompts: 2}]",
+              "-n", "hot", timeout=3600).stdout
+    ran = {s for s in ("split", "target", "regen", "cache", "train", "eval") if f"Running stage '{s}'" in out}
+    assert ran == {"regen", "cache", "train", "eval"}, out[-3000:]
+    report = json.loads((pipeline / "data/cache/report.json").read_text())
+    assert report["samples_kept"] < report["samples"] // 2, report  # most answers changed
+    after = json.loads((pipeline / "data/cache.zarr/zarr.json").read_text())["attributes"]
+    assert after["num_tokens"] != before["num_tokens"] or after["parts"] != before["parts"]
+    # the stage's store is the store a from-scratch build of the new regen output gives
+    params = load_params(pipeline / "params.yaml")
+    scratch = tmp_path / "scratch.zarr"
+    cfg = dataclasses.replace(params.cache, url=str(scratch), derive_from="none")
+    build_cache(cfg, params.layers, pipeline / "data/regen/train.jsonl", pipeline / "data/target")
+    store = str(pipeline / "data/cache.zarr")
+    assert store_files(store) == store_files(str(scratch))
+    got, want = manifest(store), manifest(str(scratch))
+    got.pop("derived_from", None)
+    assert got == want
+    git(pipeline, "checkout", "--", ".")  # back to the default params (outputs follow on the next step)
+    dvc(pipeline, "checkout")
+
+
 def test_growth_appends_parts_and_pushes_only_new_files(pipeline, remote, moto):
     # move the source to a file holding exactly the packaged corpus: nothing downstream changes
     from deepspec.data.builtin import builtin_chat_rows
@@ -204,7 +256,7 @@ def test_growth_appends_parts_and_pushes_only_new_files(pipeline, remote, moto):
     store = pipeline / "data/cache.zarr"
     before_files = {p: hashlib.md5(p.read_bytes()).hexdigest() for p in store.rglob("*") if p.is_file()}
     before_objects = objects(moto, remote)
-    parts_before = sorted(p.name for p in (store / "parts").iterdir() if p.is_dir())
+    parts_before = [p["name"] for p in json.loads((store / "zarr.json").read_text())["attributes"]["parts"]]
 
     rng = random.Random(7)
     new_rows = [{"conversations": [{"from": "human", "value": f"What is {a} plus {b}?"},
@@ -215,10 +267,11 @@ def test_growth_appends_parts_and_pushes_only_new_files(pipeline, remote, moto):
         f.write("".join(json.dumps(r) + "\n" for r in new_rows))
     out = dvc(pipeline, "repro", "cache").stdout
     assert "Running stage 'target'" not in out and "Running stage 'regen'" in out
-    parts_after = sorted(p.name for p in (store / "parts").iterdir() if p.is_dir())
+    parts_after = [p["name"] for p in json.loads((store / "zarr.json").read_text())["attributes"]["parts"]]
+    assert sorted(parts_after) == sorted(p.name for p in (store / "parts").iterdir() if p.is_dir())
     # parts are planned in input order with content-defined boundaries: rows appended at the end
     # rewrite at most the last part, every other part stays byte for byte
-    assert len(set(parts_before) - set(parts_after)) <= 1 and len(parts_after) > len(parts_before)
+    assert parts_after[:len(parts_before) - 1] == parts_before[:-1] and set(parts_after) - set(parts_before)
     after_files = {p: hashlib.md5(p.read_bytes()).hexdigest() for p in store.rglob("*") if p.is_file()}
     changed = [p for p, h in before_files.items() if p in after_files and after_files[p] != h]
     # only the root manifest; the index is content-addressed (a new file, the old one pruned)
