@@ -138,7 +138,7 @@ class FaultServer:
 def test_faults_are_retried_then_recorded(fault, reason):
     server = FaultServer([fault] * 10)
     delays = []
-    client = Client(RegenConfig(max_retries=2, backoff_s=0.1, timeout_s=0.3), SamplingConfig(), sleep=delays.append)
+    client = Client(RegenConfig(backend="openai", max_retries=2, backoff_s=0.1, timeout_s=0.3), SamplingConfig(), sleep=delays.append)
     try:
         with pytest.raises(RequestFailed) as e:
             client.complete(Endpoint(server.url, "m"), {"messages": []})
@@ -151,7 +151,7 @@ def test_faults_are_retried_then_recorded(fault, reason):
 
 def test_transient_fault_then_success_and_4xx_not_retried():
     server = FaultServer(["500", "empty"])
-    client = Client(RegenConfig(max_retries=3, backoff_s=0.0), SamplingConfig())
+    client = Client(RegenConfig(backend="openai", max_retries=3, backoff_s=0.0), SamplingConfig())
     try:
         assert client.complete(Endpoint(server.url, "m"), {}) == ("fine", "stop", 2)
         assert server.calls == 3
@@ -166,7 +166,7 @@ def test_transient_fault_then_success_and_4xx_not_retried():
 def test_connection_refused_is_recorded_per_row(tmp_path):
     dead = Endpoint(f"http://127.0.0.1:{free_port()}", "m")
     journal = Journal(tmp_path / "j", "fp")
-    ordered, errors = run_regen(rows(3), [dead], RegenConfig(max_retries=1, backoff_s=0.0, concurrency=2),
+    ordered, errors = run_regen(rows(3), [dead], RegenConfig(backend="openai", max_retries=1, backoff_s=0.0, concurrency=2),
                                 SamplingConfig(), journal)
     assert ordered == [] and sorted(e["reason"] for e in errors) == ["connection"] * 3
 
@@ -179,7 +179,7 @@ def test_a_bug_in_a_worker_stops_the_run_instead_of_becoming_a_row_error(tmp_pat
     try:
         with pytest.raises(WorkerCrashed, match=f"row {bad['id']}.*KeyError: 'content'") as e:
             run_regen(rows(3) + [bad], [Endpoint(server.url, "m")],
-                      RegenConfig(concurrency=1, max_error_fraction=1.0), SamplingConfig(), journal)
+                      RegenConfig(backend="openai", concurrency=1, max_error_fraction=1.0), SamplingConfig(), journal)
         assert isinstance(e.value.__cause__, KeyError)  # the original traceback travels with it
         journal.close()
         kept = Journal(tmp_path / "j", "fp")  # rows finished before the crash are journaled, not lost
