@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 from pathlib import Path
+from typing import Callable
 
+import numpy as np
 import torch
 
 from deepspec.config import ConfigError, TrainConfig, to_dict
@@ -22,26 +25,52 @@ log = logging.getLogger(__name__)
 DEFAULT_MASK_TOKEN = "<|MASK|>"
 
 
-def resolve_mask_token(cfg: TrainConfig, tokenizer, vocab_size: int) -> tuple[int, str]:
+# special tokens a tokenizer reserves for later use, by the names Llama 3 and Gemma give them
+RESERVED_NAME = re.compile(r"reserved|unused", re.IGNORECASE)
+
+
+def resolve_mask_token(cfg: TrainConfig, tokenizer, vocab_size: int,
+                       cache_ids: Callable[[], np.ndarray] | None = None) -> tuple[int, str]:
     """(id, text) of the reserved token whose embedding row fills the mask slots; (-1, "") = learned.
-    null resolves like speculators: the tokenizer's mask token, else the first embedding row past
-    the tokenizer (Qwen3: 151669, an unused row), else an error asking for an explicit id."""
-    mid = cfg.mask_token_id
+    null picks, in this order: the tokenizer's mask token; the first embedding row past the tokenizer
+    (Qwen3: 151669, a row no text encodes to); a special token the tokenizer reserves (`reserved`,
+    `unused` in its name); a special token that is none of bos/eos/pad/unk and never occurs in the
+    cache's token ids (`cache_ids()`: the distinct ids of every cached sample). The choice and the
+    reason are logged; an explicit `train.mask_token_id` overrides."""
+    mid, why = cfg.mask_token_id, "train.mask_token_id"
     if mid is None:
-        if tokenizer.mask_token_id is not None:
-            mid = int(tokenizer.mask_token_id)
-        elif len(tokenizer) < vocab_size:
-            mid = len(tokenizer)
-        else:
-            raise ConfigError("train.mask_token_id: the target's tokenizer has no mask token and its embedding "
-                              "has no unused row; set a reserved token id (or -1 for a learned mask vector, "
-                              "which no serving engine loads)")
+        mid, why = pick_mask_token(tokenizer, vocab_size, cache_ids)
     if mid >= vocab_size:
         raise ConfigError(f"train.mask_token_id: {mid} is not a token of the target (vocab size {vocab_size})")
     if mid < 0:
         return -1, ""
     text = tokenizer.convert_ids_to_tokens(mid) if mid < len(tokenizer) else None
-    return mid, text or DEFAULT_MASK_TOKEN
+    text = text or DEFAULT_MASK_TOKEN
+    log.info("train: mask token %s (id %d): %s", text, mid, why)
+    return mid, text
+
+
+def pick_mask_token(tokenizer, vocab_size: int, cache_ids: Callable[[], np.ndarray] | None) -> tuple[int, str]:
+    if tokenizer.mask_token_id is not None:
+        return int(tokenizer.mask_token_id), "the tokenizer's mask token"
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer), "the first embedding row past the tokenizer (no text encodes to it)"
+    special = sorted((i, t.content) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                     if getattr(t, "special", False) and i < vocab_size)
+    roles = {getattr(tokenizer, f"{r}_token_id", None) for r in ("bos", "eos", "pad", "unk")}
+    candidates = [(i, text) for i, text in special if i not in roles]
+    if candidates and cache_ids is not None:
+        seen = set(np.asarray(cache_ids()).tolist())
+        unseen = [(i, text) for i, text in candidates if i not in seen]
+        reserved = [(i, text) for i, text in unseen if RESERVED_NAME.search(text)]
+        if reserved:
+            return reserved[0][0], f"a special token the tokenizer reserves ({reserved[0][1]}), not in the cache"
+        if unseen:
+            return unseen[0][0], (f"a special token ({unseen[0][1]}) that occurs nowhere in the cache's "
+                                  f"{len(seen)} distinct token ids")
+    raise ConfigError("train.mask_token_id: the target's tokenizer has no mask token, its embedding has no "
+                      "unused row, and every special token occurs in the cache; set a reserved token id (or -1 "
+                      "for a learned mask vector, which no serving engine loads)")
 
 
 def sample_from_anchor(cfg: TrainConfig) -> bool:
@@ -50,7 +79,8 @@ def sample_from_anchor(cfg: TrainConfig) -> bool:
     return cfg.algorithm == "dspark" if cfg.sample_from_anchor is None else cfg.sample_from_anchor
 
 
-def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path, vocab_counts=None) -> DraftModel:
+def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path, vocab_counts=None,
+              cache_ids: Callable[[], np.ndarray] | None = None) -> DraftModel:
     """A fresh draft initialised from the target. EAGLE-3 also needs the loss-token frequencies of the
     cache (`vocab_counts`, see eagle3.loss_token_counts) for its reduced vocabulary."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -60,7 +90,7 @@ def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path, vocab_count
     text_cfg = getattr(target_cfg, "text_config", target_cfg)
     eagle = cfg.algorithm == "eagle3"
     mask_id, mask_text = (-1, "") if eagle else \
-        resolve_mask_token(cfg, AutoTokenizer.from_pretrained(target_dir), text_cfg.vocab_size)
+        resolve_mask_token(cfg, AutoTokenizer.from_pretrained(target_dir), text_cfg.vocab_size, cache_ids)
     draft_cfg = DraftConfig.for_target(cfg.algorithm, text_cfg, layers, cfg.block_size, cfg.draft_layers,
                                        cfg.markov_rank, identity, mask_token_id=mask_id, mask_token=mask_text,
                                        sample_from_anchor=sample_from_anchor(cfg), ttt_steps=cfg.ttt_steps,
@@ -92,6 +122,17 @@ RESUME_NEUTRAL = ("steps", "checkpoint_every", "keep_checkpoints", "num_workers"
                   "layers")
 
 
+def distinct_token_ids(dataset) -> np.ndarray:
+    """The sorted distinct token ids of every sample of a TargetCacheDataset of input ids."""
+    seen = np.zeros(0, dtype=bool)  # a bitmap over ids: one pass, O(tokens + vocabulary)
+    for i in range(len(dataset)):
+        ids = dataset[i]["input_ids"].numpy()
+        if len(ids) and ids.max() >= len(seen):
+            seen = np.concatenate([seen, np.zeros(int(ids.max()) + 1 - len(seen), dtype=bool)])
+        seen[ids] = True
+    return np.flatnonzero(seen)
+
+
 def resume_fingerprint(cfg: TrainConfig, layers: list[int], target_id: str, manifest: dict) -> str:
     """Checkpoints resume only into a run with the same fingerprint: same trajectory settings, draft
     input layers, target and cache content."""
@@ -115,7 +156,12 @@ def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_di
         tokens = TargetCacheDataset(cache_url, layers=[], fields=("input_ids", "loss_mask"),
                                     storage_options=storage_options, manifest=manifest)
         counts = loss_token_counts(tokens)
-    model = new_draft(cfg, layers, target_dir, counts).to(device)
+    def cache_ids() -> np.ndarray:  # only read when no cheaper rule finds a mask token
+        tokens = TargetCacheDataset(cache_url, layers=[], fields=("input_ids",),
+                                    storage_options=storage_options, manifest=manifest)
+        return distinct_token_ids(tokens)
+
+    model = new_draft(cfg, layers, target_dir, counts, cache_ids).to(device)
     if counts is not None:
         log.info("eagle3: target layers %s, draft vocabulary of %d of the target's %d tokens (%d distinct loss "
                  "tokens in the cache)", layers, model.config.draft_vocab_size, model.config.vocab_size, len(counts))

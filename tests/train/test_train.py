@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -99,8 +100,55 @@ def test_mask_token_resolution():
     assert resolve_mask_token(TrainConfig(mask_token_id=-1), with_mask, 16) == (-1, "")
     with pytest.raises(ConfigError, match="train.mask_token_id: the target's tokenizer has no mask token"):
         resolve_mask_token(TrainConfig(), no_mask, 10)
+    with pytest.raises(ConfigError, match="every special token occurs in the cache"):
+        resolve_mask_token(TrainConfig(), no_mask, 10, cache_ids=lambda: np.arange(10))
     with pytest.raises(ConfigError, match="train.mask_token_id: 16 is not a token"):
         resolve_mask_token(TrainConfig(mask_token_id=16), with_mask, 16)
+
+
+@pytest.mark.parametrize("gguf", ["smollm2"])
+def test_a_tokenizer_without_mask_token_or_unused_row_gets_a_special_token_the_cache_never_holds(gguf, caplog):
+    # SmolLM2 (Llama family): 49,152 tokens = its embedding rows, no mask token
+    from transformers import AutoTokenizer
+
+    from deepspec.models.prepare import smollm2_gguf
+    from deepspec.train.run import resolve_mask_token
+
+    path = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    assert tok.mask_token_id is None and len(tok) == 49152
+    text = tok.apply_chat_template([{"role": "user", "content": "hi <repo_name>"},
+                                    {"role": "assistant", "content": "hello"}], tokenize=False)
+    used = np.unique(tok(text, add_special_tokens=False)["input_ids"])
+    assert 3 in used  # <repo_name> occurs in this cache
+    with caplog.at_level("INFO"):
+        mid, text = resolve_mask_token(TrainConfig(), tok, 49152, cache_ids=lambda: used)
+    assert mid == 4 and text == "<reponame>"
+    assert mid not in used and mid not in (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    assert "mask token <reponame> (id 4): a special token (<reponame>) that occurs nowhere" in caplog.text
+    # an explicit id still wins, without reading the cache
+    assert resolve_mask_token(TrainConfig(mask_token_id=5), tok, 49152, cache_ids=None) == (5, "<file_sep>")
+
+
+def test_a_reserved_special_token_is_preferred_and_the_cache_is_scanned_once(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from deepspec.train.run import resolve_mask_token
+
+    vocab = {f"w{i}": i for i in range(20)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="w0", eos_token="<eos>")
+    tok.add_special_tokens({"additional_special_tokens": ["<tool>", "<|reserved_special_token_0|>"]})
+    calls = []
+
+    def cache_ids():
+        calls.append(1)
+        return np.arange(20)
+
+    mid, text = resolve_mask_token(TrainConfig(), tok, len(tok), cache_ids=cache_ids)
+    assert text == "<|reserved_special_token_0|>" and mid == tok.convert_tokens_to_ids(text) and calls == [1]
 
 
 def test_dflash_layout_trains_gamma_minus_one_drafts(tmp_path, small_cache, trained_target):
@@ -303,3 +351,15 @@ def test_eagle3_layers_default_and_must_be_three():
     with pytest.raises(ConfigError, match="exactly three"):
         params_from_dict({"layers": [9, 25], "train": {"algorithm": "eagle3"}})
     assert params_from_dict({"train": {"layers": [9, 25]}}).train_layers == [9, 25]  # other algorithms: any subset
+
+
+def test_distinct_token_ids_are_every_id_the_cache_holds(small_cache):
+    from deepspec.cache.reader import CacheReader
+    from deepspec.loader.dataset import TargetCacheDataset
+    from deepspec.train.run import distinct_token_ids
+
+    reader = CacheReader(str(small_cache))
+    every = np.unique(np.concatenate([reader.read(i, layers=[], fields=("input_ids",))["input_ids"]
+                                      for i in range(len(reader))]))
+    got = distinct_token_ids(TargetCacheDataset(str(small_cache), layers=[], fields=("input_ids",)))
+    assert np.array_equal(got, every) and len(got) > 10
