@@ -1,4 +1,5 @@
-"""Where conversations come from: the packaged corpus, a local JSONL/Parquet file, or a HF dataset.
+"""Where conversations come from: the packaged corpus, a local JSONL, JSON-array or Parquet file, or a
+HF dataset.
 
 Every source yields `RawRow`s in source order; a row that cannot even be parsed carries the reason
 instead of a dict, so the split can count it with its line number rather than stop.
@@ -49,6 +50,90 @@ def _jsonl_rows(path: Path) -> Iterator[RawRow]:
                 yield RawRow(where, reason="not_an_object", detail=type(obj).__name__)
                 continue
             yield RawRow(where, obj)
+
+
+def _json_array_rows(path: Path, chunk_chars: int = 1 << 20) -> Iterator[RawRow]:
+    """The elements of a JSON array file (`[{...}, {...}]`, the form most chat dumps ship in), one at a
+    time: the file is read in chunks and only the current element is held as Python objects. A `.json`
+    file whose first value is an object is JSON Lines under another name and read as such."""
+    decoder = json.JSONDecoder()
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise SourceError(f"{path}: cannot read source file: {e.strerror}") from None
+    with f:
+        buf, pos, base, eof = "", 0, 0, False   # base: bytes of the file before buf
+
+        def more() -> bool:
+            nonlocal buf, pos, base, eof
+            if eof:
+                return False
+            try:
+                data = f.read(chunk_chars)
+            except UnicodeDecodeError as e:
+                raise SourceError(f"{path}: not UTF-8 near byte {base + len(buf[:pos].encode())}: {e.reason}") from None
+            base += len(buf[:pos].encode())
+            buf, pos = buf[pos:] + data, 0
+            eof = not data
+            return bool(data)
+
+        def skip_space() -> str:
+            nonlocal pos
+            while True:
+                while pos < len(buf) and buf[pos] in " \t\r\n":
+                    pos += 1
+                if pos < len(buf) or not more():
+                    return buf[pos] if pos < len(buf) else ""
+
+        def offset() -> int:
+            return base + len(buf[:pos].encode())
+
+        first = skip_space()
+        if first != "[":
+            f.close()
+            yield from _jsonl_rows(path)
+            return
+        pos += 1
+        index = 0
+        while True:
+            c = skip_space()
+            if c == "]" and index == 0:
+                pos += 1
+                break
+            start = offset()
+            while True:
+                try:
+                    obj, end = decoder.raw_decode(buf, pos)
+                except json.JSONDecodeError as e:
+                    if more():
+                        continue
+                    raise SourceError(f"{path}: element {index + 1} at byte {start}: the JSON array is "
+                                      f"truncated or malformed ({e.msg}); nothing was read from this source") from None
+                # a number or literal at the end of the buffer may continue in the next chunk
+                if end == len(buf) and not eof and not isinstance(obj, (dict, list, str)):
+                    more()
+                    continue
+                break
+            pos = end
+            index += 1
+            where = f"{path}:element {index}"
+            if isinstance(obj, dict):
+                yield RawRow(where, obj)
+            else:
+                yield RawRow(where, reason="not_an_object", detail=type(obj).__name__)
+            c = skip_space()
+            if c == ",":
+                pos += 1
+            elif c == "]":
+                pos += 1
+                break
+            else:
+                raise SourceError(f"{path}: byte {offset()}: expected ',' or ']' after element {index} of the "
+                                  f"JSON array, found {c!r}" if c else
+                                  f"{path}: the JSON array ends after element {index} at byte {offset()} without "
+                                  "its closing ']' (a truncated file); nothing was read from this source")
+        if skip_space():
+            raise SourceError(f"{path}: byte {offset()}: data after the JSON array's closing ']'")
 
 
 def _parquet_rows(path: Path) -> Iterator[RawRow]:
@@ -107,13 +192,15 @@ def iter_source(spec: str, hf_split: str = "train") -> Iterator[RawRow]:
         return
     if spec.startswith("builtin:") or (":" in spec.split("/")[0] and not Path(spec).exists()):
         raise ConfigError(f"split.source: unknown source {spec!r} "
-                          "(use builtin:chat, hf:<dataset id or local dir>, or a .jsonl/.parquet path)")
+                          "(use builtin:chat, hf:<dataset id or local dir>, or a .jsonl/.json/.parquet path)")
     path = Path(spec)
     if not path.exists():
         raise SourceError(f"{spec}: source file does not exist")
-    if path.suffix in (".jsonl", ".json"):
+    if path.suffix == ".jsonl":
         yield from _jsonl_rows(path)
+    elif path.suffix == ".json":
+        yield from _json_array_rows(path)
     elif path.suffix == ".parquet":
         yield from _parquet_rows(path)
     else:
-        raise ConfigError(f"split.source: {spec!r} is neither .jsonl nor .parquet")
+        raise ConfigError(f"split.source: {spec!r} is none of .jsonl, .json (an array), .parquet")

@@ -218,3 +218,35 @@ def test_builtin_corpus_covers_four_tasks():
     assert tasks == {"chat", "code", "math", "instruction"}
     assert sum(r["source"].startswith("chatterbot/") for r in rows) == 2026
     assert number_words(342) == "three hundred and forty-two"
+
+
+def test_a_pretty_printed_json_array_splits_like_the_same_rows_as_jsonl(tmp_path):
+    from deepspec.data.sources import _json_array_rows
+
+    rows = GOOD[:30] + [conv(("human", "caf\u00e9 \u2615"), ("gpt", "ok"))]
+    array = tmp_path / "chats.json"
+    array.write_text(json.dumps(rows[:10] + [7] + rows[10:], indent=2, ensure_ascii=False))
+    jsonl = write_jsonl(tmp_path / "chats.jsonl", rows)
+    a = run_split(SplitConfig(source=str(array), test_fraction=0.2), tmp_path / "a")
+    b = run_split(SplitConfig(source=str(jsonl), test_fraction=0.2), tmp_path / "b")
+    assert a["kept"] == b["kept"] == len(rows) and a["rejected"] == {"not_an_object": 1}
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "source"} for r in rows]  # noqa: E731 (the file name)
+    assert strip(read(tmp_path / "a/train.jsonl")) == strip(read(tmp_path / "b/train.jsonl"))
+    assert read(tmp_path / "a/rejected.jsonl")[0]["where"] == f"{array}:element 11"
+    # chunk boundaries anywhere (inside strings, numbers, multi-byte characters) read the same
+    every = [r.row for r in _json_array_rows(array, chunk_chars=7)]
+    assert every[:10] + every[11:] == rows and every[10] is None
+    # a .json file of JSON lines is read as JSON lines
+    lines = tmp_path / "lines.json"
+    lines.write_bytes(jsonl.read_bytes())
+    assert run_split(SplitConfig(source=str(lines), test_fraction=0.2), tmp_path / "c")["kept"] == len(rows)
+
+
+@pytest.mark.parametrize("cut", [0.5, 0.999])
+def test_a_truncated_json_array_is_an_error_naming_the_byte_and_writes_nothing(tmp_path, cut):
+    text = json.dumps(GOOD[:20], indent=1).encode()
+    src = tmp_path / "cut.json"
+    src.write_bytes(text[:int(len(text) * cut)])
+    with pytest.raises(SourceError, match=r"cut\.json: (element \d+ at byte \d+|the JSON array ends after element \d+ at byte \d+)"):
+        run_split(SplitConfig(source=str(src)), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
