@@ -37,6 +37,8 @@ class SplitConfig:
     # more rejected rows than this fraction of those read fails the stage: a source in the wrong
     # format must not pass as a small dataset
     max_reject_fraction: float = _f(0.5, ge=0.0, le=1.0)
+    # a conversation that opens with an assistant turn: drop that turn, or reject the row
+    leading_assistant: Literal["drop_turn", "reject"] = "drop_turn"
 
 
 @dataclass

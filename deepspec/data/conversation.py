@@ -20,11 +20,15 @@ class RowRejected(ValueError):
         self.detail = detail
 
 
-def normalize_conversation(row: dict) -> list[dict]:
-    """Return `[{role, content}]`: optional system turn, then user/assistant alternating from user."""
-    if "conversations" not in row:
+def normalize_conversation(row: dict, leading_assistant: str = "reject", notes: list[str] | None = None) -> list[dict]:
+    """Return `[{role, content}]`: optional system turn, then user/assistant alternating from user.
+    The turns are the row's `conversations` (ShareGPT, `{from, value}` or `{role, content}`) or its
+    `messages` (OpenAI style). Assistant turns before the first user turn (a greeting some dumps
+    open with) are dropped with `leading_assistant="drop_turn"` (noted in `notes`), else rejected."""
+    key = "conversations" if "conversations" in row else "messages" if "messages" in row else None
+    if key is None:
         raise RowRejected("missing_conversations", f"keys: {sorted(row)[:8]}")
-    conv = row["conversations"]
+    conv = row[key]
     if not isinstance(conv, list) or not conv:
         raise RowRejected("empty_conversations" if isinstance(conv, list) else "conversations_not_list",
                           type(conv).__name__)
@@ -47,7 +51,15 @@ def normalize_conversation(row: dict) -> list[dict]:
     if not body:
         raise RowRejected("no_user_turn", "only a system turn")
     if body[0]["role"] != "user":
-        raise RowRejected("starts_with_assistant", "first non-system turn is from the assistant")
+        if leading_assistant != "drop_turn":
+            raise RowRejected("starts_with_assistant", "first non-system turn is from the assistant")
+        lead = next((i for i, t in enumerate(body) if t["role"] == "user"), None)
+        if lead is None:
+            raise RowRejected("no_user_turn", "only assistant turns")
+        turns = turns[:len(turns) - len(body)] + body[lead:]
+        body = body[lead:]
+        if notes is not None:
+            notes.append("dropped_leading_assistant")
     for i, t in enumerate(body):
         expected = "user" if i % 2 == 0 else "assistant"
         if t["role"] != expected:

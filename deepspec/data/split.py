@@ -8,6 +8,7 @@ train prompt. Outputs keep source order, so new rows land at the end.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ class SplitResult:
     eval: list[dict]
     rejected: list[dict]
     read: int
+    adjusted: dict = dataclasses.field(default_factory=dict)  # rows kept after a change, by kind
 
     def report(self, source: str) -> dict:
         by_reason = collections.Counter(r["reason"] for r in self.rejected)
@@ -55,12 +57,13 @@ class SplitResult:
             "eval": len(self.eval),
             "rejected": dict(sorted(by_reason.items())),
             "rejected_total": len(self.rejected),
+            "adjusted": dict(sorted(self.adjusted.items())),
             "tasks": dict(sorted(tasks.items())),
         }
 
 
 def split_rows(cfg: SplitConfig) -> SplitResult:
-    train, evals, rejected = [], [], []
+    train, evals, rejected, notes = [], [], [], []
     seen: set[str] = set()
     read = 0
     default_source = cfg.source if ":" in cfg.source else Path(cfg.source).name
@@ -69,7 +72,8 @@ def split_rows(cfg: SplitConfig) -> SplitResult:
         try:
             if raw.reason:
                 raise RowRejected(raw.reason, raw.detail)
-            turns = normalize_conversation(raw.row)
+            row_notes: list[str] = []
+            turns = normalize_conversation(raw.row, cfg.leading_assistant, row_notes)
             row_id = conversation_id(turns)
             if row_id in seen:
                 raise RowRejected("duplicate", f"same content as an earlier row (id {row_id})")
@@ -77,6 +81,7 @@ def split_rows(cfg: SplitConfig) -> SplitResult:
             rejected.append({"where": raw.where, "reason": e.reason, "detail": e.detail})
             continue
         seen.add(row_id)
+        notes.extend(row_notes)
         task = str(raw.row.get("task") or raw.row.get("category") or "unknown")
         source = str(raw.row.get("source") or default_source)
         if is_eval(turns, cfg):
@@ -86,7 +91,7 @@ def split_rows(cfg: SplitConfig) -> SplitResult:
             evals.append(row)
         else:
             train.append({"id": row_id, "task": task, "source": source, "conversations": turns})
-    return SplitResult(train, evals, rejected, read)
+    return SplitResult(train, evals, rejected, read, dict(collections.Counter(notes)))
 
 
 def rejection_summary(result: SplitResult) -> str:

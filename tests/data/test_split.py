@@ -68,7 +68,8 @@ def test_bad_lines_are_counted_with_line_numbers(tmp_path):
         GOOD[1],
     ])
     out = tmp_path / "out"
-    report = run_split(SplitConfig(source=str(src), test_fraction=0.0, max_reject_fraction=1.0), out)
+    report = run_split(SplitConfig(source=str(src), test_fraction=0.0, max_reject_fraction=1.0,
+                                   leading_assistant="reject"), out)
     assert report["read"] == 9 and report["kept"] == 2
     assert report["rejected"] == {"duplicate": 1, "empty_content": 1, "malformed_json": 1,
                                   "missing_conversations": 1, "non_utf8": 1,
@@ -250,3 +251,16 @@ def test_a_truncated_json_array_is_an_error_naming_the_byte_and_writes_nothing(t
     with pytest.raises(SourceError, match=r"cut\.json: (element \d+ at byte \d+|the JSON array ends after element \d+ at byte \d+)"):
         run_split(SplitConfig(source=str(src)), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_openai_messages_and_a_leading_assistant_turn(tmp_path):
+    opening = {"messages": [{"role": "system", "content": "be kind"},
+                            {"role": "assistant", "content": "Hi! Ask me anything."},
+                            {"role": "user", "content": "what is 2+2?"}, {"role": "assistant", "content": "4"}]}
+    src = write_jsonl(tmp_path / "src.jsonl", GOOD[:5] + [opening])
+    report = run_split(SplitConfig(source=str(src), test_fraction=0.0), tmp_path / "a")
+    assert report["kept"] == 6 and report["adjusted"] == {"dropped_leading_assistant": 1}
+    last = read(tmp_path / "a/train.jsonl")[-1]["conversations"]
+    assert [t["role"] for t in last] == ["system", "user", "assistant"] and last[1]["content"] == "what is 2+2?"
+    strict = run_split(SplitConfig(source=str(src), test_fraction=0.0, leading_assistant="reject"), tmp_path / "b")
+    assert strict["kept"] == 5 and strict["rejected"] == {"starts_with_assistant": 1}
