@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from deepspec.cache.build import build_cache, compute_part, encode_rows, load_target
+from deepspec.cache.build import EncodeRules, build_cache, compute_part, encode_rows, load_target
 from deepspec.cache.plan import part_ranges, store_order
 from deepspec.cache.estimate import reference_bytes_per_token
 from deepspec.cache.format import decode_hidden, encode_hidden
@@ -36,7 +36,7 @@ LAYERS = [1, 9, 17, 25, 33]  # --layers overrides (e.g. for a 30-layer target)
 
 def activations(target: Path, rows: list[dict]) -> PartData:
     tok, model = load_target(target, torch.device("cpu"))
-    samples, _ = encode_rows(tok, rows, 1024)
+    samples, _ = encode_rows(tok, rows, EncodeRules(1024))
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     part = compute_part(model, "p000000", samples, LAYERS, 8192, pad, torch.device("cpu"))
     part.hidden = {k: decode_hidden(bits, scale, "bfloat16").float() for k, (bits, scale) in part.hidden.items()}
@@ -144,7 +144,7 @@ def main() -> None:
         regen = tmp / "regen.jsonl"
         regen.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tok, model = load_target(Path(args.target), torch.device("cpu"))
-        samples, _ = encode_rows(tok, rows, 1024)
+        samples, _ = encode_rows(tok, rows, EncodeRules(1024))
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         cfg = CacheConfig(url=str(tmp / "stage.zarr"), part_tokens=4096)
         t0 = time.perf_counter()
@@ -156,7 +156,7 @@ def main() -> None:
         forward_only = time.perf_counter() - t0
         t0 = time.perf_counter()
         load_target(Path(args.target), torch.device("cpu"))
-        encode_rows(tok, rows, 1024)
+        encode_rows(tok, rows, EncodeRules(1024))
         setup = time.perf_counter() - t0  # what the stage does before its first forward
         t0 = time.perf_counter()
         build_cache(cfg, LAYERS, regen, Path(args.target))

@@ -111,6 +111,11 @@ class CacheConfig:
     dtype: Literal["bfloat16", "fp8"] = "bfloat16"
     codec: Literal["none", "blosc-zstd", "blosc-lz4"] = "none"
     max_length: int = _f(1024, ge=8)
+    # a conversation over max_length tokens: cut after the last whole answer that fits, cut at exactly
+    # max_length (mid-answer), or dropped
+    overlong: Literal["cut_turn", "truncate", "drop"] = "cut_turn"
+    # a row whose answer was cut by sampling.max_tokens: keep it (that end of turn gets no loss) or drop it
+    truncated: Literal["keep", "drop"] = "keep"
     batch_tokens: int = _f(8192, ge=64)
     part_tokens: int = _f(65536, ge=1)
     shard_bytes: int = _f(512 * 2**20, ge=2**16)

@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +45,7 @@ class Sample:
     sample_id: int
     input_ids: list[int]
     loss_mask: list[int]
+    adjusted: tuple[str, ...] = ()  # what encode_row changed (counted in the stage report)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -52,24 +53,53 @@ class Sample:
         return sample_key(self.input_ids, self.loss_mask)
 
 
-def encode_row(tokenizer, row: dict, max_length: int) -> Sample | dict:
-    """The row's sample, or {id, reason, detail} when it is dropped (kept in the stage report)."""
+@dataclass(frozen=True)
+class EncodeRules:
+    """How a regen row becomes a sample (cache params `max_length`, `overlong`, `truncated`)."""
+    max_length: int
+    overlong: str = "cut_turn"   # cut_turn | truncate | drop: a conversation over max_length tokens
+    truncated: str = "keep"      # keep | drop: a row with an answer cut by max_tokens (finish_reason length)
+
+    @classmethod
+    def of(cls, cfg: CacheConfig) -> "EncodeRules":
+        return cls(cfg.max_length, cfg.overlong, cfg.truncated)
+
+
+def encode_row(tokenizer, row: dict, rules: EncodeRules) -> Sample | dict:
+    """The row's sample, or {id, reason, detail} when it is dropped (kept in the stage report). A
+    sample may carry `adjusted` reasons (an answer without its end-of-turn label, turns cut)."""
+    finish = row.get("finish_reasons") or []
+    unfinished = frozenset(k for k, f in enumerate(finish) if f == "length")
+    if unfinished and rules.truncated == "drop":
+        return {"id": row["id"], "reason": "answer_cut",
+                "detail": f"answer {min(unfinished) + 1} ended by max_tokens (finish_reason length)"}
     try:
-        enc = encode_conversation(tokenizer, row["conversations"], max_length)
+        enc = encode_conversation(tokenizer, row["conversations"], rules.max_length, unfinished,
+                                  "truncate" if rules.overlong == "truncate" else "cut_turn")
     except TemplateError as e:
         return {"id": row["id"], "reason": "template", "detail": str(e)}
+    if enc.truncated and rules.overlong == "drop":
+        return {"id": row["id"], "reason": "too_long", "detail": f"over cache.max_length = {rules.max_length}"}
     if sum(enc.loss_mask) == 0:
-        # nothing to learn from: no anchor can be drawn (e.g. the answer was cut by max_length)
-        return {"id": row["id"], "reason": "no_loss_tokens",
-                "detail": "truncated" if enc.truncated else "no assistant tokens"}
-    return Sample(sample_id_to_int(row["id"]), enc.input_ids, enc.loss_mask)
+        # nothing to learn from: no anchor can be drawn
+        if enc.truncated:
+            return {"id": row["id"], "reason": "too_long",
+                    "detail": f"the first answer does not fit in cache.max_length = {rules.max_length}"}
+        return {"id": row["id"], "reason": "no_loss_tokens", "detail": "no assistant tokens"}
+    sample = Sample(sample_id_to_int(row["id"]), enc.input_ids, enc.loss_mask)
+    answers = sum(t["role"] == "assistant" for t in row["conversations"])
+    sample.adjusted = tuple(
+        (["no_end_of_turn_label"] if any(k < enc.answers_kept for k in unfinished) else [])
+        + (["cut_at_turn"] if enc.truncated and rules.overlong == "cut_turn" and enc.answers_kept < answers else [])
+        + (["truncated"] if enc.truncated and rules.overlong == "truncate" else []))
+    return sample
 
 
-def encode_rows(tokenizer, rows, max_length: int) -> tuple[list[Sample], list[dict]]:
+def encode_rows(tokenizer, rows, rules: EncodeRules) -> tuple[list[Sample], list[dict]]:
     """Samples for every usable row; the rest as {id, reason}."""
     samples, dropped = [], []
     for row in rows:
-        out = encode_row(tokenizer, row, max_length)
+        out = encode_row(tokenizer, row, rules)
         (samples if isinstance(out, Sample) else dropped).append(out)
     return samples, dropped
 
@@ -86,6 +116,7 @@ class RowIndex:
     lines: np.ndarray  # int64 line number (for error messages)
     dropped: list[dict]
     keys: np.ndarray | None = None  # uint64 [n, 2] content keys (format.sample_key)
+    adjusted: dict = field(default_factory=dict)  # usable rows changed by the encode rules, by kind
 
 
 def _parse_line(path, lineno: int, line: bytes) -> dict:
@@ -95,28 +126,29 @@ def _parse_line(path, lineno: int, line: bytes) -> dict:
         raise JsonlError(f"{path}:{lineno}: not valid JSON: {e}") from None
 
 
-def _encode_line(tokenizer, path, lineno: int, line: bytes, max_length: int) -> Sample | dict:
+def _encode_line(tokenizer, path, lineno: int, line: bytes, rules: EncodeRules) -> Sample | dict:
     try:
-        return encode_row(tokenizer, _parse_line(path, lineno, line), max_length)
+        return encode_row(tokenizer, _parse_line(path, lineno, line), rules)
     except CacheFormatError as e:
         raise CacheFormatError(f"{path}:{lineno}: {e}") from None
 
 
-def index_regen(tokenizer, path, max_length: int) -> RowIndex:
+def index_regen(tokenizer, path, rules: EncodeRules) -> RowIndex:
     """One pass over the regen file: tokenise each row, keep its id, length, content key and byte
     offset, drop the tokens."""
     ids, lengths, offsets, lines, keys = array("Q"), array("q"), array("q"), array("q"), array("Q")
-    rows, dropped, offset = 0, [], 0
+    rows, dropped, offset, adjusted = 0, [], 0, collections.Counter()
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             start, offset = offset, offset + len(line)
             if not line.strip():
                 continue
             rows += 1
-            out = _encode_line(tokenizer, path, lineno, line, max_length)
+            out = _encode_line(tokenizer, path, lineno, line, rules)
             if isinstance(out, dict):
                 dropped.append(out)
                 continue
+            adjusted.update(out.adjusted)
             ids.append(out.sample_id)
             keys.extend(out.key)
             lengths.append(len(out.input_ids))
@@ -124,17 +156,17 @@ def index_regen(tokenizer, path, max_length: int) -> RowIndex:
             lines.append(lineno)
     return RowIndex(str(path), rows, np.frombuffer(ids, np.uint64).copy(), np.frombuffer(lengths, np.int64).copy(),
                     np.frombuffer(offsets, np.int64).copy(), np.frombuffer(lines, np.int64).copy(), dropped,
-                    np.frombuffer(keys, np.uint64).copy().reshape(-1, 2))
+                    np.frombuffer(keys, np.uint64).copy().reshape(-1, 2), dict(sorted(adjusted.items())))
 
 
-def load_samples(tokenizer, index: RowIndex, rows: np.ndarray, max_length: int) -> list[Sample]:
+def load_samples(tokenizer, index: RowIndex, rows: np.ndarray, rules: EncodeRules) -> list[Sample]:
     """Re-read and tokenise the rows `rows` (positions in `index`) of the regen file."""
     samples = []
     with open(index.path, "rb") as f:
         for i in rows.tolist():
             f.seek(int(index.offsets[i]))
             lineno = int(index.lines[i])
-            out = _encode_line(tokenizer, index.path, lineno, f.readline(), max_length)
+            out = _encode_line(tokenizer, index.path, lineno, f.readline(), rules)
             if not isinstance(out, Sample) or out.sample_id != int(index.sample_ids[i]) \
                     or len(out.input_ids) != int(index.lengths[i]) or out.key != tuple(int(v) for v in index.keys[i]):
                 raise CacheFormatError(f"{index.path}:{lineno}: the row changed while the cache stage was running "
@@ -143,11 +175,11 @@ def load_samples(tokenizer, index: RowIndex, rows: np.ndarray, max_length: int) 
     return samples
 
 
-def part_samples(tokenizer, index: RowIndex, plan: list[tuple[str, np.ndarray]], max_length: int):
+def part_samples(tokenizer, index: RowIndex, plan: list[tuple[str, np.ndarray]], rules: EncodeRules):
     """(name, samples) of each planned part, tokenised only when its turn comes: a rank holds the
     samples of the part being computed, never the corpus's."""
     for name, rows in plan:
-        yield name, load_samples(tokenizer, index, rows, max_length)
+        yield name, load_samples(tokenizer, index, rows, rules)
 
 
 def plan_store(index: RowIndex, part_tokens: int) -> list[tuple[str, np.ndarray]]:
@@ -354,7 +386,7 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
     holds a part of the same content, else computed with the target; then list exactly the planned
     parts."""
     if rank == 0:  # rank 0 reads the input and the store once; every rank gets the same plan
-        index = index_regen(tokenizer, regen_path, cfg.max_length)
+        index = index_regen(tokenizer, regen_path, EncodeRules.of(cfg))
         plan = plan_store(index, part_tokens_for(cfg, ident["hidden_size"]))
         have = writer.committed_parts()
         todo = [(name, rows) for name, rows in plan if name not in have]
@@ -379,7 +411,7 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
     bar = tqdm(total=int(sum(index.lengths[rows].sum() for _, rows in mine)), unit="tok", desc=f"cache[{rank}]",
                dynamic_ncols=True, disable=rank != 0 and world > 1)
     try:
-        for name, samples in part_samples(tokenizer, index, mine, cfg.max_length):
+        for name, samples in part_samples(tokenizer, index, mine, EncodeRules.of(cfg)):
             part = source.part(name, samples) if source is not None else None
             if part is None:
                 model = get_model()
@@ -401,6 +433,8 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
     if barrier:
         barrier()
     report = {"rows": index.rows, "samples": len(index.lengths), "dropped": index.dropped,
+              "dropped_by_reason": dict(sorted(collections.Counter(d["reason"] for d in index.dropped).items())),
+              "adjusted": index.adjusted,
               "parts": len(plan), "parts_kept": len(plan) - len(todo), "samples_kept": cached,
               "forward_s": round(forward_s, 2), "parts_computed": computed}
     if rank == 0:

@@ -21,7 +21,8 @@ class TemplateError(ValueError):
 class Encoded:
     input_ids: list[int]
     loss_mask: list[int]
-    truncated: bool
+    truncated: bool         # the conversation was longer than max_length
+    answers_kept: int = 0   # assistant turns whose answer (and end of turn) are in the tokens
 
 
 def _special_ids(tokenizer) -> set[int]:
@@ -62,7 +63,13 @@ def _expect(text: str, what: str, pos: int) -> int:
 
 
 def encode_conversation(tokenizer, turns: list[dict], max_length: int | None = None,
+                        unfinished: frozenset[int] = frozenset(), overlong: str = "cut_turn",
                         **template_kwargs) -> Encoded:
+    """`unfinished`: positions (among the assistant turns) of answers the target did not end (cut by
+    max_tokens): their end-of-turn token, which the target never produced, gets no loss. A
+    conversation over `max_length` tokens is cut after the last answer that fits, end of turn
+    included (`overlong="cut_turn"`; nothing is left if the first answer does not fit), or cut at
+    exactly `max_length` tokens (`"truncate"`, mid-answer)."""
     text = render(tokenizer, turns, **template_kwargs)
     # Walk the text markup, content, markup, content...: each answer is looked for only right after its
     # own turn's header, never inside markup ("a" is in "<|im_start|>").
@@ -84,19 +91,23 @@ def encode_conversation(tokenizer, turns: list[dict], max_length: int | None = N
     special = _special_ids(tokenizer)
     mask = [0] * len(ids)
     j = 0  # tokens and spans are both in text order: one merge-like pass
-    for start, end in spans:
+    ends = []  # the token position just past each answer (and its end of turn)
+    for k, (start, end) in enumerate(spans):
         while j < len(ids) and offsets[j][1] <= start:
             j += 1
         while j < len(ids) and offsets[j][0] < end:
             mask[j] = 1
             j += 1
         if j < len(ids) and ids[j] in special:  # the end-of-turn token that closes this answer
-            mask[j] = 1
+            mask[j] = 0 if k in unfinished else 1
             j += 1
+        ends.append(j)
     truncated = max_length is not None and len(ids) > max_length
+    keep = len(ids)
     if truncated:
-        ids, mask = ids[:max_length], mask[:max_length]
-    return Encoded(list(ids), mask, truncated)
+        keep = max_length if overlong == "truncate" else max((e for e in ends if e <= max_length), default=0)
+    kept = sum(e <= keep for e in ends)
+    return Encoded(list(ids[:keep]), mask[:keep], truncated, kept)
 
 
 def encode_prompt(tokenizer, turns: list[dict], **template_kwargs) -> list[int]:

@@ -171,3 +171,34 @@ def test_build_holds_a_bounded_number_of_samples(tmp_path, trained_target, monke
     assert report["samples"] == len(rows) and len(parts) >= 8
     largest = max(p["samples"] for p in parts)
     assert peak[0] <= 2 * largest, (peak[0], largest, len(rows))
+
+
+def test_cut_answers_and_long_conversations_follow_the_rules_and_are_counted(tmp_path, trained_target):
+    multi = next(c for c in SAMPLE_CONVERSATIONS if len(c) == 4)
+    rows = [{"id": f"{i + 1:016x}", "conversations": c, "finish_reasons": ["stop"] * (len(c) // 2)}
+            for i, c in enumerate(SAMPLE_CONVERSATIONS[:6])]
+    rows[2]["finish_reasons"] = ["length"]             # cut by max_tokens
+    rows.append({"id": f"{99:016x}", "conversations": multi, "finish_reasons": ["stop", "stop"]})
+    work = workdir(tmp_path, trained_target, rows)
+    from transformers import AutoTokenizer
+
+    from deepspec.data.template import encode_conversation
+
+    tok = AutoTokenizer.from_pretrained(trained_target)
+    first = len(encode_conversation(tok, multi[:2]).input_ids)
+    longest_single = max(len(encode_conversation(tok, r["conversations"]).input_ids) for r in rows[:6])
+    max_length = max(first, longest_single) + 2  # the two-turn conversation does not fit whole
+    assert len(encode_conversation(tok, multi).input_ids) > max_length
+
+    report = build(work, max_length=max_length)
+    assert report["adjusted"] == {"cut_at_turn": 1, "no_end_of_turn_label": 1} and report["samples"] == 7
+    reader = CacheReader(str(work / "data/cache.zarr"))
+    by_id = {int(i): k for k, i in enumerate(reader.sample_ids())}
+    cut = reader.read(by_id[99], layers=[], fields=("input_ids", "loss_mask"))
+    assert tok.decode(cut["input_ids"][cut["loss_mask"].astype(bool)]).count("<|im_end|>") == 1
+    open_end = reader.read(by_id[3], layers=[], fields=("input_ids", "loss_mask"))
+    assert "<|im_end|>" not in tok.decode(open_end["input_ids"][open_end["loss_mask"].astype(bool)])
+
+    strict = workdir(tmp_path / "strict", trained_target, rows)
+    report = build(strict, max_length=max_length, overlong="drop", truncated="drop")
+    assert report["dropped_by_reason"] == {"answer_cut": 1, "too_long": 1} and report["samples"] == 5

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from deepspec.cache.build import build_cache, encode_rows, load_target
+from deepspec.cache.build import EncodeRules, build_cache, encode_rows, load_target
 from deepspec.cache.format import CacheFormatError, decode_hidden, sample_id_to_str
 from deepspec.cache.reader import CacheReader, ChecksumError
 from deepspec.cache.verify import verify
@@ -66,7 +66,7 @@ def test_stored_values_equal_hidden_states_bitwise(tmp_path, trained_target):
     assert sorted(ids) == sorted(r["id"] for r in rows)  # every row once (in a part, longest first)
     by_id = {r["id"]: r for r in rows}
     for index in (0, 7, len(rows) - 1):
-        enc = encode_rows(tok, [by_id[ids[index]]], 1024)[0][0]
+        enc = encode_rows(tok, [by_id[ids[index]]], EncodeRules(1024))[0][0]
         sample = reader.read(index)
         assert sample["input_ids"].tolist() == enc.input_ids
         assert sample["loss_mask"].tolist() == enc.loss_mask
@@ -176,7 +176,9 @@ def test_bad_rows_are_dropped_and_reported(tmp_path, trained_target):
         {"role": "user", "content": "x " * 300}, {"role": "assistant", "content": "late answer"}]})
     work = workdir(tmp_path, trained_target, rows)
     report = build(work, max_length=64)
-    assert report["dropped"] == [{"id": "00000000000000ff", "reason": "no_loss_tokens", "detail": "truncated"}]
+    assert report["dropped"] == [{"id": "00000000000000ff", "reason": "too_long",
+                                  "detail": "the first answer does not fit in cache.max_length = 64"}]
+    assert report["dropped_by_reason"] == {"too_long": 1}
     assert report["manifest"]["num_samples"] == 5
 
 

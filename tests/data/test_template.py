@@ -118,9 +118,22 @@ def test_builtin_template_mask_and_truncation(small_model_dir):
     enc = encode_conversation(tok, conv)
     masked = tok.decode([t for t, m in zip(enc.input_ids, enc.loss_mask) if m])
     assert masked == "Mango.<|im_end|>Blue is a colour,\nand so is red.<|im_end|>"
-    short = encode_conversation(tok, conv, max_length=12)
+    short = encode_conversation(tok, conv, max_length=12, overlong="truncate")
     assert short.truncated and len(short.input_ids) == 12 == len(short.loss_mask)
     assert short.input_ids == enc.input_ids[:12] and short.loss_mask == enc.loss_mask[:12]
+    # cut at a turn boundary: the first exchange, its end of turn included, and nothing after it
+    first = encode_conversation(tok, conv[:2])
+    cut = encode_conversation(tok, conv, max_length=len(enc.input_ids) - 2)  # the last answer loses its end of turn
+    assert cut.truncated and cut.answers_kept == 1
+    assert cut.input_ids == enc.input_ids[:len(cut.input_ids)] and cut.loss_mask == enc.loss_mask[:len(cut.input_ids)]
+    assert tok.decode([t for t, m in zip(cut.input_ids, cut.loss_mask) if m]) == "Mango.<|im_end|>"
+    assert cut.input_ids[:len(first.input_ids)] == first.input_ids[:len(cut.input_ids)]
+    assert encode_conversation(tok, conv, max_length=4).input_ids == []  # the first answer does not fit
+    # an answer the target did not end (finish_reason length): its end of turn is not a label
+    open_end = encode_conversation(tok, conv, unfinished=frozenset({0}))
+    assert tok.decode([t for t, m in zip(open_end.input_ids, open_end.loss_mask) if m]) == \
+        "Mango.Blue is a colour,\nand so is red.<|im_end|>"
+    assert open_end.input_ids == enc.input_ids
     prompt = encode_prompt(tok, conv[:1] + conv[1:2])
     assert tok.decode(prompt).endswith("<|im_start|>assistant\n")
 
