@@ -16,6 +16,11 @@ Each section is one function registered with `@section`; `--only` runs a subset.
              (--batch-tokens, default 1,024), for the last --rows value: the writer streams a
              part's shards batch by batch, so it stays flat where a writer that holds parts grows
              (compare with --code).
+  regen_rss  peak RSS above the post-import baseline of the regen stage's resume-and-write path vs
+             journal rows (--regen-rows, answers of --row-chars): the journal is opened (its
+             recovery pass), the split file read in input order and every finished row written to
+             train.jsonl, as a rerun after a crash does; beside it, in its own process, the same
+             rows held in a dict and a list (what the stage did before it streamed).
   index      manifest/index bytes written vs parts, store open time and requests (local, moto S3)
              vs parts, files per part and per TB: benchmarks/scale_index.py (its own options there).
   s3         S3 read throughput vs requests in flight through a throttling proxy in front of moto:
@@ -224,6 +229,69 @@ def part_rss(args) -> None:
           ["code", "part_tokens", "parts", "samples", "above_MB", "vs_smallest", "wall_s"], rows)
 
 
+def regen_child(spec: dict) -> None:
+    """The regen stage's journal and output path in this (fresh) process; prints its memory as JSON."""
+    import gc
+
+    from deepspec.config import RegenConfig, SamplingConfig
+    from deepspec.data.regen import Journal, SplitRows, write_outputs
+
+    cfg = RegenConfig(fraction=1.0)
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    base = status_kb("VmRSS")
+    t0 = time.time()
+    journal = Journal(Path(spec["journal"]), "fp")
+    rows = SplitRows(Path(spec["split"]), cfg)
+    if spec["mode"] == "held":  # the journal's rows parsed into a dict, the output a list of them
+        done: dict = {}
+        for line in open(journal.rows_path, "rb"):
+            row = json.loads(line)
+            done.setdefault(row["id"], row)
+        ordered = [done[r["id"]] for r in rows if r["id"] in done]
+    else:
+        ordered = journal.in_order(rows)
+    write_outputs(Path(spec["out"]), ordered, [], SamplingConfig(), "t" * 16)
+    journal.close()
+    print(json.dumps({"baseline_kb": base, "peak_kb": status_kb("VmHWM"), "wall_s": round(time.time() - t0, 1)}))
+
+
+def run_regen_rss(root: Path, rows: int, mode: str, args) -> dict:
+    split, journal, out = root / f"split-{rows}.jsonl", root / f"journal-{rows}", root / f"out-{rows}-{mode}"
+    if not split.exists():
+        journal.mkdir()
+        (journal / "meta.json").write_text(json.dumps({"fingerprint": "fp"}))
+        with open(split, "w") as s, open(journal / "rows.jsonl", "w") as j:
+            for r in synthetic_rows(rows, args.row_chars):
+                s.write(json.dumps(r) + "\n")
+                j.write(json.dumps(dict(r, finish_reasons=["stop"], completion_tokens=100)) + "\n")
+    out.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    spec = {"split": str(split), "journal": str(journal), "out": str(out), "mode": mode}
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--regen-child", json.dumps(spec)],
+                          env=env, capture_output=True, text=True, cwd=root)
+    if proc.returncode != 0:
+        raise RuntimeError(f"regen at {rows} rows failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@section
+def regen_rss(args) -> None:
+    sizes = [int(s) for s in args.regen_rows.split(",")]
+    out = []
+    with tempfile.TemporaryDirectory(prefix="scale-regen-") as tmp:
+        for mode in ("streamed", "held"):
+            first = None
+            for n in sizes:
+                r = run_regen_rss(Path(tmp), n, mode, args)
+                above = (r["peak_kb"] - r["baseline_kb"]) / 1024
+                first = first if first is not None else above
+                out.append([mode, n, round(above, 1), f"{above / first:.2f}x", r["wall_s"]])
+                print(f"  {mode} {n}: {json.dumps(r)}", file=sys.stderr)
+    table(f"regen stage, journal recovery + output in input order: peak RSS above baseline vs journal rows "
+          f"({args.row_chars}-char answers)", ["mode", "rows", "MB above baseline", "vs smallest", "wall s"], out)
+
+
 @section
 def index(args) -> None:
     subprocess.run([sys.executable, str(REPO / "benchmarks/scale_index.py"),
@@ -252,10 +320,15 @@ def main() -> None:
     ap.add_argument("--part-sizes", default="2048,8192,32768", help="part_rss: cache.part_tokens values")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--code", help="cache_rss: also run the stage from this checkout, side by side")
+    ap.add_argument("--regen-rows", default="10000,30000,100000", help="regen_rss: journal row counts")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--regen-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         cache_child(json.loads(args.child))
+        return
+    if args.regen_child:
+        regen_child(json.loads(args.regen_child))
         return
     unknown = set(args.only.split(",")) - set(SECTIONS)
     if unknown:

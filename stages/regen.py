@@ -1,12 +1,13 @@
 """DVC stage `regen`: data/split/train.jsonl -> data/regen/{train,errors}.jsonl (see deepspec.data.regen)."""
+import itertools
 import json
 import logging
 import os
 from pathlib import Path
 
-from deepspec.data.regen import (Endpoint, Journal, JournalError, ProbeError, ProbeRejected, load_rows, model_eos,
+from deepspec.data.regen import (Endpoint, Journal, JournalError, ProbeError, ProbeRejected, SplitRows, model_eos,
                                  probe_endpoints, regen_fingerprint, reproducibility, request_token_bound, run_regen,
-                                 select_rows, write_outputs)
+                                 write_outputs)
 from deepspec.data.generate import run_local
 from deepspec.data.servers import ServerError, cb_budget, launch_sglang, launch_transformers_serve
 from deepspec.io import write_json
@@ -50,8 +51,9 @@ def start_endpoints(cfg, sampling, rows, stack):
 
 def main(params):
     cfg = params.regen
-    rows = select_rows(load_rows(Path("data/split/train.jsonl")), cfg)
-    if not rows:
+    rows = SplitRows(Path("data/split/train.jsonl"), cfg)  # read as needed, never held whole
+    n_rows = sum(1 for _ in rows)
+    if not n_rows:
         raise StageError("regen: data/split/train.jsonl has no rows to regenerate (the split stage's "
                          "output; check split.source and data/split/report.json)")
     identity = load_identity(TARGET)
@@ -65,11 +67,13 @@ def main(params):
             ordered, errors = run_local(rows, TARGET, cfg, params.sampling, journal, model_eos(TARGET))
         finally:
             journal.close()
-        return finish(cfg, params, rows, ordered, errors, identity)
+        return finish(cfg, params, n_rows, ordered, errors, identity)
     servers = []
     try:
-        todo = [r for r in rows if r["id"] not in journal.done]
-        endpoints = start_endpoints(cfg, params.sampling, todo, servers) if todo else []
+        todo = (r for r in rows if r["id"] not in journal.done)
+        first = next(todo, None)
+        endpoints = start_endpoints(cfg, params.sampling, itertools.chain([first], todo), servers) \
+            if first is not None else []
         eos = model_eos(TARGET) if cfg.backend == "transformers" else None
         if endpoints:
             endpoints = probe_endpoints(endpoints, cfg, params.sampling, api_key, eos)
@@ -80,17 +84,17 @@ def main(params):
         journal.close()
         for s in reversed(servers):
             s.stop()
-    finish(cfg, params, rows, ordered, errors, identity)
+    finish(cfg, params, n_rows, ordered, errors, identity)
 
 
-def finish(cfg, params, rows, ordered, errors, identity):
+def finish(cfg, params, n_rows, ordered, errors, identity):
     write_outputs(OUT, ordered, errors, params.sampling, identity["id"])
-    summary = {"rows": len(rows), "regenerated": len(ordered), "errors": len(errors),
+    summary = {"rows": n_rows, "regenerated": len(ordered), "errors": len(errors),
                **reproducibility(cfg, params.sampling)}
     write_json(OUT / "report.json", summary)
     print(json.dumps(summary))
-    if rows and len(errors) / len(rows) > cfg.max_error_fraction:
-        raise StageError(f"regen: {len(errors)} of {len(rows)} samples failed (> regen.max_error_fraction "
+    if n_rows and len(errors) / n_rows > cfg.max_error_fraction:
+        raise StageError(f"regen: {len(errors)} of {n_rows} samples failed (> regen.max_error_fraction "
                          f"{cfg.max_error_fraction}); see {OUT / 'errors.jsonl'}; rerun to retry them")
 
 

@@ -17,6 +17,7 @@ draws the token itself; `generate` then runs greedy over the result, which leave
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -33,12 +34,9 @@ def batch_ranges(ids: list[str], size: int) -> list[tuple[int, int]]:
     """Consecutive ranges [a, b) of the rows that are generated together: a cut after a row whose id
     hashes below 1 / size (a batch of `size` rows on average) or when a batch reaches 2 x size."""
     out, start = [], 0
-    for i, row_id in enumerate(ids):
-        if i + 1 - start >= 2 * size or hash_unit("regen-batch", row_id) < 1.0 / size:
-            out.append((start, i + 1))
-            start = i + 1
-    if start < len(ids):
-        out.append((start, len(ids)))
+    for batch in iter_batches(({"id": i} for i in ids), size):
+        out.append((start, start + len(batch)))
+        start += len(batch)
     return out
 
 
@@ -153,25 +151,41 @@ class LocalGenerator:
         return done, list(errors.values())
 
 
-def run_local(rows: list[dict], model_dir: Path, cfg: RegenConfig, sampling: SamplingConfig, journal,
-              eos_token_id: int | list[int] | None = None) -> tuple[list[dict], list[dict]]:
+def iter_batches(rows: Iterable[dict], size: int) -> Iterator[list[dict]]:
+    """`rows` in the batches `batch_ranges` cuts, read as they go."""
+    batch: list[dict] = []
+    for row in rows:
+        batch.append(row)
+        if len(batch) >= 2 * size or hash_unit("regen-batch", row["id"]) < 1.0 / size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def run_local(rows: Iterable[dict], model_dir: Path, cfg: RegenConfig, sampling: SamplingConfig, journal,
+              eos_token_id: int | list[int] | None = None):
     """Regenerate every batch that holds a row not in the journal; returns (rows in input order,
     errors). A batch is always generated whole, so a row resumed after a crash gets the answer an
-    uninterrupted run gives it."""
-    plan = batch_ranges([r["id"] for r in rows], cfg.concurrency)
-    todo = [(a, b) for a, b in plan if any(r["id"] not in journal.done for r in rows[a:b])]
+    uninterrupted run gives it. `rows` is iterated three times and held one batch at a time."""
+    total = todo = 0
+    for r in rows:
+        total += 1
+        todo += r["id"] not in journal.done
     errors: list[dict] = []
     if todo:
         gen = LocalGenerator(model_dir, cfg, sampling, eos_token_id)
-        log.info("regen: %d rows in %d batches, %d to generate", len(rows), len(plan), len(todo))
-        bar = tqdm(total=len(rows), initial=len(rows) - sum(b - a for a, b in todo), unit="sample",
-                   desc="regen", dynamic_ncols=True)
-        for a, b in todo:
-            done, failed = gen.regenerate(rows[a:b], lambda row_id, t: request_seed(sampling, row_id, t))
+        log.info("regen: %d rows, %d to generate (in their whole batches)", total, todo)
+        bar = tqdm(total=total, initial=total - todo, unit="sample", desc="regen", dynamic_ncols=True)
+        for batch in iter_batches(rows, cfg.concurrency):
+            missing = sum(r["id"] not in journal.done for r in batch)
+            if not missing:
+                continue
+            done, failed = gen.regenerate(batch, lambda row_id, t: request_seed(sampling, row_id, t))
             for row in done:
                 if row["id"] not in journal.done:
                     journal.append(row)
             errors += failed
-            bar.update(b - a)
+            bar.update(missing)
         bar.close()
-    return [journal.done[r["id"]] for r in rows if r["id"] in journal.done], errors
+    return journal.in_order(rows), errors

@@ -19,8 +19,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Callable
 
+import numpy as np
 import requests
 from tqdm import tqdm
 
@@ -240,9 +242,11 @@ class Journal:
         directory.mkdir(parents=True, exist_ok=True)
         if not meta.exists():
             write_json(meta, {"fingerprint": fp})
-        self.done: dict[str, dict] = {}
+        self._offsets = RowOffsets()  # id -> byte offset of its row: all a run holds of the rows
+        self._reader = None
+        self.done = JournalRows(self)
         self._recover()
-        self._f = open(self.rows_path, "a", encoding="utf-8")
+        self._f = open(self.rows_path, "ab")
 
     @staticmethod
     def stale_dir(directory: Path, fp: str | None) -> Path:
@@ -250,46 +254,192 @@ class Journal:
         return directory.with_name(f"{directory.name}-stale-{fp}")
 
     def _recover(self) -> None:
+        """One pass over the file, line by line: each finished row's id and offset (the rows stay on disk)."""
         if not self.rows_path.exists():
             return
-        data = self.rows_path.read_bytes()
-        good = data.rfind(b"\n") + 1  # a kill mid-write leaves at most one torn line at the end
-        if good < len(data):
-            log.warning("regen journal: dropping a torn last line (%d bytes)", len(data) - good)
+        offset, lineno = 0, 0
+        with open(self.rows_path, "rb") as f:
+            for line in f:
+                lineno += 1
+                if not line.endswith(b"\n"):  # a kill mid-write leaves at most one torn line at the end
+                    log.warning("regen journal: dropping a torn last line (%d bytes)", len(line))
+                    break
+                self._check_line(line, lineno, offset)
+                offset += len(line)
+        if offset < self.rows_path.stat().st_size:
             with open(self.rows_path, "r+b") as f:
-                f.truncate(good)
-        for lineno, line in enumerate(data[:good].split(b"\n")[:-1], 1):
-            # a newline-terminated line was written whole: if it does not parse, the file was damaged
-            # after the fact. Stop and say where rather than re-request (or lose) it silently.
-            try:
-                row = json.loads(line)
-                ok = isinstance(row, dict) and isinstance(row.get("id"), str)
-            except (ValueError, UnicodeDecodeError) as e:
-                ok, why = False, f"not JSON ({e})"
-            else:
-                why = "not a finished row (a JSON object with an \"id\")"
-            if not ok:
-                raise JournalError(
-                    f"{self.rows_path}:{lineno}: corrupt journal line, {why}: {line[:80]!r}. It ends with a "
-                    "newline, so it is not an interrupted write: the file was damaged. Delete that line to "
-                    "have its row regenerated, or delete the directory to regenerate everything.")
-            self.done.setdefault(row["id"], row)
+                f.truncate(offset)
+
+    def _check_line(self, line: bytes, lineno: int, offset: int) -> None:
+        # a newline-terminated line was written whole: if it does not parse, the file was damaged
+        # after the fact. Stop and say where rather than re-request (or lose) it silently.
+        try:
+            row = json.loads(line)
+            ok = isinstance(row, dict) and isinstance(row.get("id"), str)
+        except (ValueError, UnicodeDecodeError) as e:
+            ok, why = False, f"not JSON ({e})"
+        else:
+            why = "not a finished row (a JSON object with an \"id\")"
+        if not ok:
+            raise JournalError(
+                f"{self.rows_path}:{lineno}: corrupt journal line, {why}: {line[:80]!r}. It ends with a "
+                "newline, so it is not an interrupted write: the file was damaged. Delete that line to "
+                "have its row regenerated, or delete the directory to regenerate everything.")
+        self._offsets.setdefault(row["id"], offset)
 
     def append(self, row: dict) -> None:
-        self._f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        offset = self._f.tell()
+        self._f.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
         self._f.flush()
         os.fsync(self._f.fileno())
-        self.done[row["id"]] = row
+        self._offsets.setdefault(row["id"], offset)
+
+    def read(self, row_id: str) -> dict:
+        offset = self._offsets.get(row_id)
+        if offset is None:
+            raise KeyError(row_id)
+        if self._reader is None:
+            self._reader = open(self.rows_path, "rb")
+        self._reader.seek(offset)
+        return json.loads(self._reader.readline())
+
+    def in_order(self, rows: Iterable[dict]) -> "FinishedRows":
+        """The finished rows among `rows` (re-iterable), in their order."""
+        return FinishedRows(self, rows)
 
     def close(self) -> None:
         self._f.close()
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+
+def _id_key(row_id: str) -> int:
+    """A row id as a uint64: the 16 hex digits split ids are, else a hash of the string."""
+    if len(row_id) == 16:
+        try:
+            return int(row_id, 16)
+        except ValueError:
+            pass
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(row_id.encode(), digest_size=8).digest(), "big") | 1 << 63
+
+
+class RowOffsets:
+    """id -> byte offset for every finished row, in 16 bytes a row: sorted numpy arrays, plus a
+    small dict of the rows added since the last merge (merged every MERGE rows: at 1.3 M rows about
+    300 merges, seconds in all)."""
+
+    MERGE = 4096
+
+    def __init__(self):
+        self._keys = np.zeros(0, dtype=np.uint64)
+        self._offs = np.zeros(0, dtype=np.int64)
+        self._new: dict[int, int] = {}
+        self._order: list[str] | None = []  # ids in journal order while few (iteration, tests)
+
+    def get(self, row_id: str) -> int | None:
+        key = _id_key(row_id)
+        if key in self._new:
+            return self._new[key]
+        i = int(np.searchsorted(self._keys, np.uint64(key)))
+        return int(self._offs[i]) if i < len(self._keys) and int(self._keys[i]) == key else None
+
+    def setdefault(self, row_id: str, offset: int) -> None:
+        if self.get(row_id) is not None:
+            return
+        self._new[_id_key(row_id)] = offset
+        if self._order is not None:
+            self._order.append(row_id)
+            if len(self._order) > self.MERGE:
+                self._order = None
+        if len(self._new) >= self.MERGE:
+            self._merge()
+
+    def _merge(self) -> None:
+        keys = np.concatenate([self._keys, np.fromiter(self._new.keys(), np.uint64, len(self._new))])
+        offs = np.concatenate([self._offs, np.fromiter(self._new.values(), np.int64, len(self._new))])
+        order = np.argsort(keys, kind="stable")
+        self._keys, self._offs, self._new = keys[order], offs[order], {}
+
+    def __contains__(self, row_id) -> bool:
+        return self.get(row_id) is not None
+
+    def __len__(self) -> int:
+        return len(self._keys) + len(self._new)
+
+    def ids(self) -> list[str]:
+        if self._order is None:
+            raise RuntimeError("the journal holds too many rows to list their ids; look them up by id")
+        return list(self._order)
+
+
+class JournalRows(Mapping):
+    """A journal's finished rows by id, each read from the file when asked for."""
+
+    def __init__(self, journal: Journal):
+        self._journal = journal
+
+    def __getitem__(self, row_id: str) -> dict:
+        if row_id not in self._journal._offsets:
+            raise KeyError(row_id)
+        return self._journal.read(row_id)
+
+    def __contains__(self, row_id) -> bool:
+        return row_id in self._journal._offsets
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._journal._offsets.ids())
+
+    def __len__(self) -> int:
+        return len(self._journal._offsets)
+
+
+class FinishedRows(Iterable):
+    """The finished rows among `rows` (a re-iterable of input rows: a list, or a SplitRows), in
+    their order, read from the journal as they are iterated: what the stage writes out without
+    holding the corpus's answers."""
+
+    def __init__(self, journal: Journal, rows: Iterable[dict]):
+        self._journal, self._rows = journal, rows
+
+    def _finished(self) -> Iterator[str]:
+        return (r["id"] for r in self._rows if r["id"] in self._journal._offsets)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self._finished())
+
+    def __getitem__(self, k: int) -> dict:
+        return list(self)[k]
+
+    def __iter__(self) -> Iterator[dict]:
+        return (self._journal.read(i) for i in self._finished())
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
 
 
 # ---- the stage ---------------------------------------------------------------------------------------
 
-def select_rows(rows: list[dict], cfg: RegenConfig) -> list[dict]:
+def selected(row: dict, cfg: RegenConfig) -> bool:
     """A hash-based subset: growing the source never drops or swaps an already selected row."""
-    return [r for r in rows if cfg.fraction >= 1.0 or hash_unit("regen", r["id"]) < cfg.fraction]
+    return cfg.fraction >= 1.0 or hash_unit("regen", row["id"]) < cfg.fraction
+
+
+def select_rows(rows: list[dict], cfg: RegenConfig) -> list[dict]:
+    return [r for r in rows if selected(r, cfg)]
+
+
+class SplitRows:
+    """The selected rows of the split's train file, read again on every iteration: a pass over the
+    file instead of the corpus in memory."""
+
+    def __init__(self, path: Path, cfg: RegenConfig):
+        self.path, self.cfg = Path(path), cfg
+
+    def __iter__(self) -> Iterator[dict]:
+        return (r for r in read_jsonl(self.path) if selected(r, self.cfg))
 
 
 def request_token_bound(tokenizer, rows: list[dict], sampling: SamplingConfig, disable_thinking: bool) -> int:
@@ -331,23 +481,26 @@ def _journal_finished(results: queue.Queue, journal: Journal) -> None:
             journal.append(payload)
 
 
-def run_regen(rows: list[dict], endpoints: list[Endpoint], cfg: RegenConfig, sampling: SamplingConfig,
+def run_regen(rows: Iterable[dict], endpoints: list[Endpoint], cfg: RegenConfig, sampling: SamplingConfig,
               journal: Journal, api_key: str | None = None,
               eos_token_id: int | list[int] | None = None) -> tuple[list[dict], list[dict]]:
-    """Regenerate every row not in the journal; returns (rows in input order, errors)."""
+    """Regenerate every row not in the journal; returns (rows in input order, errors). `rows` is
+    iterated three times (a list, or SplitRows reading its file each time)."""
     client = Client(cfg, sampling, api_key, eos_token_id=eos_token_id)
-    todo = [r for r in rows if r["id"] not in journal.done]
-    work: queue.Queue = queue.Queue()
-    for r in todo:
-        work.put(r)
+    total = todo = 0
+    for r in rows:  # a counting pass: the rows themselves are read once more, as they are sent
+        total += 1
+        todo += r["id"] not in journal.done
+    pending = (r for r in rows if r["id"] not in journal.done)
+    lock = threading.Lock()
     results: queue.Queue = queue.Queue()
     stop = threading.Event()
 
     def worker(endpoint: Endpoint) -> None:
         while not stop.is_set():
-            try:
-                row = work.get_nowait()
-            except queue.Empty:
+            with lock:
+                row = next(pending, None)
+            if row is None:
                 return
             try:
                 results.put(("ok", client.regenerate(endpoint, row)))
@@ -361,11 +514,11 @@ def run_regen(rows: list[dict], endpoints: list[Endpoint], cfg: RegenConfig, sam
                for i, ep in enumerate(endpoints) for k in range(cfg.concurrency)]
     errors: list[dict] = []
     t0, gen_tokens = time.time(), 0
-    bar = tqdm(total=len(rows), initial=len(rows) - len(todo), unit="sample", desc="regen", dynamic_ncols=True)
+    bar = tqdm(total=total, initial=total - todo, unit="sample", desc="regen", dynamic_ncols=True)
     for th in threads:
         th.start()
     try:
-        for _ in range(len(todo)):
+        for _ in range(todo):
             kind, payload = results.get()
             if kind == "ok":
                 journal.append(payload)
@@ -386,8 +539,7 @@ def run_regen(rows: list[dict], endpoints: list[Endpoint], cfg: RegenConfig, sam
         bar.close()
     for th in threads:
         th.join(timeout=1)
-    ordered = [journal.done[r["id"]] for r in rows if r["id"] in journal.done]
-    return ordered, errors
+    return journal.in_order(rows), errors
 
 
 def write_outputs(out_dir: Path, ordered: list[dict], errors: list[dict], sampling: SamplingConfig,
@@ -425,10 +577,6 @@ def reproducibility(cfg: RegenConfig, sampling: SamplingConfig) -> dict:
                        "server's global generator" if sampling.temperature else "greedy, one request at a time"}
     return {"reproducible": False, "why": "an OpenAI-compatible URL: per-request seeds and batch "
             "invariance are not guaranteed (vLLM honours seeds, but batch composition still changes floats)"}
-
-
-def load_rows(split_train: Path) -> list[dict]:
-    return list(read_jsonl(split_train))
 
 
 def model_eos(model_dir: Path) -> int | list[int] | None:
