@@ -392,6 +392,7 @@ def import_reference(src: str | Path, dst: str, target_dir: str | Path | None = 
         writer.abort()
         raise
     finally:
+        writer.release()  # else its lease renews forever, against a server that may be long gone
         ref.close()
     return {"url": dst, "samples": ref.num_samples, "tokens": int(seq_len.sum()), "parts": len(plan),
             "layers": layers, "dtype": dtype, "storage": storage, "hidden_size": ref.hidden_size,

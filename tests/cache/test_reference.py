@@ -376,3 +376,15 @@ def test_import_to_and_export_from_s3(small_cache, tmp_path, moto):
     for a, b in zip(ref_read(tmp_path / "ref")[1], ref_read(tmp_path / "again")[1], strict=True):
         assert all(np.array_equal(a[k], b[k]) for k in ("input_ids", "attention_mask", "loss_mask"))
         assert np.array_equal(bits(a["hidden"]), bits(b["hidden"])) and np.array_equal(bits(a["last"]), bits(b["last"]))
+
+
+def test_an_import_gives_its_lease_back(small_cache, tmp_path, moto):
+    import threading
+
+    ref_write(tmp_path / "ref", reference_samples(small_cache)[:4], [-1, 0, 2], 32)
+    url = f"s3://{moto.bucket('reference-lease')}/lake/cache.zarr"
+    import_reference(tmp_path / "ref", url, storage_options=moto.storage_options)
+    s3 = moto.client()
+    listed = s3.list_objects_v2(Bucket="reference-lease", Prefix="lake/cache.zarr/lease.json")
+    assert listed.get("KeyCount", 0) == 0  # released, not left to expire
+    assert not [t for t in threading.enumerate() if "lease" in t.name.lower() and t.is_alive()]
