@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
                                                       apply_rotary_pos_emb)
@@ -206,6 +207,44 @@ def eagle3_weights(batch: dict, steps: int, decay_gamma: float) -> torch.Tensor:
     return valid.float() * torch.exp(-k.float() / decay_gamma)
 
 
+# supervised rows whose target ([rows, V] fp32: 0.6 GB at V = 151,936) and draft distributions exist
+# at once; all the rows of a batch (8 x 4,096) at once would be 20 GB per chain step
+TARGET_CHUNK_ROWS = 1024
+
+
+@torch.no_grad()
+def target_on_draft_vocab(last_hidden: torch.Tensor, head: torch.Tensor, draft_ids: torch.Tensor,
+                          chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's distribution restricted to the draft vocabulary ([M, Vd] fp32; the mass outside is
+    1 - its row sum) and the target's argmax ([M]), computed `chunk_rows` rows at a time so that the
+    full-vocabulary distribution of only one chunk exists at any moment."""
+    chunk_rows = chunk_rows or TARGET_CHUNK_ROWS
+    p_draft, top = [], []
+    for a in range(0, last_hidden.shape[0], chunk_rows):
+        p = F.linear(last_hidden[a:a + chunk_rows], head).float().softmax(-1)
+        p_draft.append(p[:, draft_ids])
+        top.append(p.argmax(-1))
+        del p
+    if not p_draft:
+        return last_hidden.new_zeros((0, len(draft_ids)), dtype=torch.float32), \
+            torch.zeros(0, dtype=torch.long, device=last_hidden.device)
+    return torch.cat(p_draft), torch.cat(top)
+
+
+def _chunk_terms(model: Eagle3Model, h: torch.Tensor, target_h: torch.Tensor, labels: torch.Tensor,
+                 wk: torch.Tensor, draft_ids: torch.Tensor):
+    """The weighted CE and L1 sums of some supervised rows, and (no grad) each row's L1 and whether
+    the draft's argmax is the target's."""
+    logits = model.logits(h)                                                          # [rows, Vd]
+    p_t_draft, target_top = target_on_draft_vocab(target_h, model.verifier_head.to(target_h.dtype), draft_ids,
+                                                  chunk_rows=len(target_h) or 1)
+    p_draft = logits.softmax(-1)
+    l1 = (p_draft - p_t_draft).abs().sum(-1) + (1 - p_t_draft.sum(-1)).clamp_min(0)
+    ce = F.cross_entropy(logits, labels.clamp_min(0), reduction="none") * (labels >= 0)
+    agree = draft_ids[logits.argmax(-1)] == target_top
+    return (ce * wk).sum(), (l1 * wk).sum(), l1.detach(), agree
+
+
 def eagle3_loss(model: Eagle3Model, batch: dict, ce_w: float, l1_w: float, decay_gamma: float,
                 norm: float | None = None):
     """The DSpark loss terms per (row, step): ce_w * CE(data token) + l1_w * |p_draft - p_target|_1, with
@@ -239,23 +278,24 @@ def eagle3_loss(model: Eagle3Model, batch: dict, ce_w: float, l1_w: float, decay
         if not sel.any():
             continue
         b_idx, t_idx = sel.nonzero(as_tuple=True)
-        logits = model.logits(h[sel])                                                 # [M, Vd]
-        labels = ids[b_idx, t_idx + 2 + k]
-        with torch.no_grad():
-            p_target = F.linear(batch["last_hidden"][b_idx, t_idx + 1 + k].to(dtype),
-                                model.verifier_head.to(dtype)).float().softmax(-1)
-        p_draft = logits.softmax(-1)
-        p_t_draft = p_target[:, draft_ids]
-        l1 = (p_draft - p_t_draft).abs().sum(-1) + (1 - p_t_draft.sum(-1)).clamp_min(0)
-        d_label = t2d_index[labels]
-        ce = F.cross_entropy(logits, d_label.clamp_min(0), reduction="none") * (d_label >= 0)
+        labels = t2d_index[ids[b_idx, t_idx + 2 + k]]                                # draft index, -1 outside
+        target_h = batch["last_hidden"][b_idx, t_idx + 1 + k].to(dtype)
         wk = w[:, :, k][sel]
-        loss = loss + (ce_w * (ce * wk).sum() + l1_w * (l1 * wk).sum()) / total
-        ce_sum += float((ce * wk).sum().detach())
-        l1_sum += float((l1 * wk).sum().detach())
+        head_rows, l1_all, agree_all = h[sel], [], []
+        for a in range(0, len(labels), TARGET_CHUNK_ROWS):
+            # a chunk's [rows, V] target and [rows, Vd] draft distributions exist only while it is
+            # computed; backward recomputes them (checkpoint), so a step keeps [rows, H] per chunk
+            c = slice(a, a + TARGET_CHUNK_ROWS)
+            ce_c, l1_c, l1_rows, agree_rows = checkpoint(
+                _chunk_terms, model, head_rows[c], target_h[c], labels[c], wk[c], draft_ids, use_reentrant=False)
+            loss = loss + (ce_w * ce_c + l1_w * l1_c) / total
+            ce_sum += float(ce_c.detach())
+            l1_sum += float(l1_c.detach())
+            l1_all.append(l1_rows)
+            agree_all.append(agree_rows)
         with torch.no_grad():
-            agree[:, :, k][sel] = draft_ids[logits.argmax(-1)] == p_target.argmax(-1)
-            alpha_full[:, :, k][sel] = (1 - 0.5 * l1).clamp(0, 1)
+            agree[:, :, k][sel] = torch.cat(agree_all)
+            alpha_full[:, :, k][sel] = (1 - 0.5 * torch.cat(l1_all)).clamp(0, 1)
     metrics = {"ce": ce_sum / float(total), "l1": l1_sum / float(total), "supervised_slots": int(valid.sum()),
                "weight": float(w.sum()), "loss": float(loss.detach())}
     rows = valid[:, :, 0]

@@ -363,3 +363,29 @@ def test_distinct_token_ids_are_every_id_the_cache_holds(small_cache):
                                       for i in range(len(reader))]))
     got = distinct_token_ids(TargetCacheDataset(str(small_cache), layers=[], fields=("input_ids",)))
     assert np.array_equal(got, every) and len(got) > 10
+
+
+def test_eagle3_loss_over_target_chunks_equals_the_whole_vocabulary_at_once(small_cache, trained_target, monkeypatch):
+    import deepspec.models.eagle3 as eagle3
+    from deepspec.config import TrainConfig
+    from deepspec.train.run import new_draft
+
+    data = TargetCacheDataset(str(small_cache), layers=[-1, 0, 2], fields=("input_ids", "loss_mask"))
+    counts = eagle3.loss_token_counts(data)
+    model = new_draft(TrainConfig(algorithm="eagle3", ttt_steps=3, draft_vocab_size=64), [-1, 0, 2],
+                      trained_target, counts)
+    batch = collate([TargetCacheDataset(str(small_cache), layers=[-1, 0, 2])[i] for i in range(4)])
+    monkeypatch.setattr(eagle3, "TARGET_CHUNK_ROWS", 1 << 30)
+    whole = eagle3.eagle3_loss(model, batch, 1.0, 1.0, 4.0)
+    monkeypatch.setattr(eagle3, "TARGET_CHUNK_ROWS", 7)  # many chunks, a short last one
+    chunked = eagle3.eagle3_loss(model, batch, 1.0, 1.0, 4.0)
+    assert torch.allclose(whole.loss, chunked.loss, rtol=1e-6, atol=1e-7)
+    assert whole.metrics.keys() == chunked.metrics.keys()
+    for key, value in whole.metrics.items():
+        assert chunked.metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+    # the pieces themselves: the target's mass on the draft vocabulary and its argmax
+    head, ids = model.verifier_head, model.draft_ids()
+    x = batch["last_hidden"].reshape(-1, batch["last_hidden"].shape[-1])[:50].to(head.dtype)
+    p = torch.nn.functional.linear(x, head).float().softmax(-1)
+    got, top = eagle3.target_on_draft_vocab(x, head, ids, chunk_rows=8)
+    assert torch.allclose(got, p[:, ids], atol=1e-7) and torch.equal(top, p.argmax(-1))
