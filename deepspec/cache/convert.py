@@ -35,9 +35,8 @@ def convert(src: str, dst: str, storage: str | None = None, codec: str | None = 
     if chunk_tokens is not None:
         m["chunk_tokens"] = chunk_tokens
     fp8 = reader.dtype != "bfloat16"
-    writer = CacheWriter(dst, m, dst_options, queue_size=1, prune_stale=False)
     order = []
-    try:
+    with CacheWriter(dst, m, dst_options, queue_size=1, prune_stale=False) as writer:
         for p, entry in enumerate(reader.entries):
             keys, ids = reader.part_keys(p), reader.part_sample_ids(p)
             order.append(part_name(keys, ids))
@@ -51,12 +50,6 @@ def convert(src: str, dst: str, storage: str | None = None, codec: str | None = 
                 lengths=np.diff(reader.part_offsets(p)).astype(np.int64),
                 input_ids=reader.read_array(p, "input_ids", 0, t), loss_mask=reader.read_array(p, "loss_mask", 0, t),
                 hidden=hidden))
-        writer.close(consolidate=False)
-        writer.write_manifest(order)
-    except BaseException:
-        writer.abort()
-        raise
-    finally:
-        writer.release()
+        writer.close(order=order)
     return {"src": src, "dst": dst, "storage": storage, "parts": len(reader.parts), "samples": len(reader),
             "tokens": int(reader.manifest.num_tokens)}

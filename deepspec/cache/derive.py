@@ -445,21 +445,14 @@ def derive_store(src: str, dst: str, layers: list[int] | None = None, dtype: str
     if not is_remote(dst) and local_path(dst).exists() and any(local_path(dst).iterdir()) \
             and _read_manifest(dst, storage_options) is None:
         raise CacheFormatError(f"{dst}: exists and is not a deepspec cache; refusing to write into it")
-    writer = CacheWriter(dst, want, storage_options, prune_stale=False)
-    try:
+    with CacheWriter(dst, want, storage_options, prune_stale=False) as writer:
         done, order, r = writer.committed_parts(), [], source.reader
         for k in range(len(r.parts)):
             name = part_name(r.part_keys(k), r.part_sample_ids(k))
             order.append(name)
             if name not in done:
                 writer.submit(source.part_at(k))
-        writer.close(consolidate=False)
-        writer.write_manifest(order)
-    except BaseException:
-        writer.abort()
-        raise
-    finally:
-        writer.release()
+        writer.close(order=order)
     out = dict(_read_manifest(dst, storage_options))
     return {"url": dst, "source": src, "parts": len(out["parts"]), "parts_derived": source.parts_derived,
             "samples": out["num_samples"], "layers": out["layers"], "dtype": out["dtype"],

@@ -377,22 +377,18 @@ def import_reference(src: str | Path, dst: str, target_dir: str | Path | None = 
     index = np.asarray(index)
     keys = _record_keys(ref, index)
     plan = part_ranges(seq_len, keys, max(1, min(part_tokens, shard_bytes // row_bytes)))
-    writer = CacheWriter(dst, manifest, storage_options, queue_size=1, prune_stale=False)
     try:
-        order = []
-        for a, b in plan:
-            rows = np.arange(a, b)  # records keep their order (a round trip gives the same sample order)
-            order.append(part_name(keys[rows], ids[rows]))
-            part = _read_part(ref, index[rows], order[-1], ids[rows], dtype)
-            part.keys = keys[rows]
-            writer.submit(part)
-        writer.close(consolidate=False)
-        writer.write_manifest(order)
-    except BaseException:
-        writer.abort()
-        raise
+        # the writer's exit gives its lease back (or its renewal would run on after the import)
+        with CacheWriter(dst, manifest, storage_options, queue_size=1, prune_stale=False) as writer:
+            order = []
+            for a, b in plan:
+                rows = np.arange(a, b)  # records keep their order (a round trip gives the same sample order)
+                order.append(part_name(keys[rows], ids[rows]))
+                part = _read_part(ref, index[rows], order[-1], ids[rows], dtype)
+                part.keys = keys[rows]
+                writer.submit(part)
+            writer.close(order=order)
     finally:
-        writer.release()  # else its lease renews forever, against a server that may be long gone
         ref.close()
     return {"url": dst, "samples": ref.num_samples, "tokens": int(seq_len.sum()), "parts": len(plan),
             "layers": layers, "dtype": dtype, "storage": storage, "hidden_size": ref.hidden_size,

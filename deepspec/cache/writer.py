@@ -158,7 +158,6 @@ class CacheWriter:
         # index's, and those read from other parts' commit records
         self._rows: dict[str, PartRows] = {}
         self._listed: list[str] = []    # the parts the root listed when this writer opened it
-        self._session: list[str] = []   # the parts this writer committed, in order
         try:
             if rank == 0:
                 self._switch_backend(not self.remote if prune_stale is None else prune_stale)
@@ -258,10 +257,6 @@ class CacheWriter:
     def committed_parts(self) -> dict[str, dict]:
         return self.store.committed_parts()
 
-    def listed_parts(self) -> list[str]:
-        """The parts the root listed when this writer opened the store, in its order."""
-        return list(self._listed)
-
     def committed_sample_ids(self) -> set[int]:
         return {int(v) for ids in self.committed_part_sample_ids().values() for v in ids}
 
@@ -309,9 +304,9 @@ class CacheWriter:
         self.submit(part)
         return part.feed
 
-    def close(self, consolidate: bool = True) -> None:
-        """Wait for the pending parts; rank 0 then consolidates with the default order (pass False
-        when other ranks are still writing or the caller knows the order: then write_manifest)."""
+    def close(self, consolidate: bool = True, order: list[str] | None = None) -> None:
+        """Wait for the pending parts; rank 0 then consolidates, listing `order` (write_manifest's
+        default without it). Pass consolidate=False while other ranks are still writing."""
         if self._closed:  # a second close (a context manager's exit after an explicit one) changes nothing
             return
         self._queue.put(None)
@@ -319,7 +314,7 @@ class CacheWriter:
         self._raise_if_failed()
         self._closed = True
         if consolidate and self.rank == 0:
-            self.write_manifest()
+            self.write_manifest(order)
 
     def abort(self) -> None:
         """Stop after the part being written; pending parts are dropped (they are not committed), and
@@ -414,7 +409,6 @@ class CacheWriter:
         entry = self.store.write_part(part.name, specs, attrs, self.rank, self.lease, before=before, feed=feed)
         log.debug("committed part %s: %d samples, %d tokens", part.name, len(part.lengths), part.tokens)
         self._rows[part.name] = PartRows(lengths, ids, keys)
-        self._session.append(part.name)
         if self._committed is not None:
             self._committed[part.name] = entry
 
