@@ -24,7 +24,7 @@ from deepspec.config import CacheConfig, EvalConfig, SamplingConfig, SplitConfig
 from deepspec.data.split import split_rows
 from deepspec.evaluate.run import evaluate, interleave_tasks
 from deepspec.io import write_jsonl
-from deepspec.models.target import prepare_target
+from deepspec.models.prepare import prepare_target
 from deepspec.train.run import run_training
 
 def small_setup(work: Path, n_prompts: int):

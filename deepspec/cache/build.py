@@ -35,7 +35,7 @@ from deepspec.config import CacheConfig
 from deepspec.data.template import TemplateError, encode_conversation
 from deepspec.io import JsonlError
 from deepspec.models.capture import forward_capture
-from deepspec.models.target import check_layers, load_identity
+from deepspec.models.target import check_layers, compute_settings, load_causal_lm, load_identity
 
 log = logging.getLogger(__name__)
 
@@ -264,9 +264,11 @@ def compute_part(model, name: str, samples: list[Sample], layers: list[int], bat
     return part
 
 
-def cache_manifest(cfg: CacheConfig, layers: list[int], ident: dict) -> dict:
+def cache_manifest(cfg: CacheConfig, layers: list[int], ident: dict, compute: dict | None = None) -> dict:
+    """`compute`: models.target.compute_settings (dtype and attention kernel the states come from)."""
     return {
         "target": ident,
+        **({"compute": compute} if compute else {}),
         "layers": list(layers),
         "dtype": cfg.dtype,
         "codec": cfg.codec,
@@ -291,16 +293,12 @@ def load_tokenizer(target_dir: Path):
     return AutoTokenizer.from_pretrained(target_dir)
 
 
-def load_model(target_dir: Path, device: torch.device):
-    from transformers import AutoModelForCausalLM
-
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, attn_implementation="sdpa")
-    return model.to(device).eval()
+def load_model(target_dir: Path, device: torch.device, compute: dict | None = None):
+    return load_causal_lm(target_dir, device, compute)
 
 
-def load_target(target_dir: Path, device: torch.device):
-    return load_tokenizer(target_dir), load_model(target_dir, device)
+def load_target(target_dir: Path, device: torch.device, compute: dict | None = None):
+    return load_tokenizer(target_dir), load_model(target_dir, device, compute)
 
 
 def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir: Path,
@@ -323,13 +321,14 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
     def get_model():
         if "model" not in model_box:
             tm = time.time()
-            model_box["model"] = load_model(target_dir, device)
+            model_box["model"] = load_model(target_dir, device, compute)
             model_box["load_s"] = time.time() - tm
         return model_box["model"]
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    manifest = cache_manifest(cfg, layers, ident)
+    compute = compute_settings(target_dir, device)
+    manifest = cache_manifest(cfg, layers, ident, compute)
     url = store_url(cfg.url, manifest)
     remote = is_remote(cfg.url)
     if world > 1 and share is None:

@@ -57,6 +57,8 @@ def why_not(src: dict, want: dict, by_name: bool = True) -> str | None:
     why = manifest_mismatch({"target": src.get("target")}, {"target": want["target"]})
     if why:
         return f"another target identity ({why})"
+    if src.get("compute") != want.get("compute"):
+        return f"compute: the source's states come from {src.get('compute')}, wanted {want.get('compute')}"
     if src.get("max_length") != want["max_length"]:
         return f"max_length: source has {src.get('max_length')}, wanted {want['max_length']}"
     missing = [i for i in want["layers"] if i not in (src.get("layers") or [])]
@@ -433,6 +435,8 @@ def derive_store(src: str, dst: str, layers: list[int] | None = None, dtype: str
     if src_manifest is None or src_manifest.get("format") != FORMAT:
         raise CacheFormatError(f"{src}: not a deepspec cache")
     want = {k: src_manifest[k] for k in ("target", "max_length", "hidden_size")}
+    if src_manifest.get("compute"):
+        want["compute"] = src_manifest["compute"]
     want.update(layers=list(layers if layers is not None else src_manifest["layers"]),
                 dtype=dtype or src_manifest["dtype"], codec=codec or src_manifest["codec"],
                 chunk_tokens=chunk_tokens or src_manifest["chunk_tokens"])

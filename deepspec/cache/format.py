@@ -35,7 +35,8 @@ CODECS = ("none", "blosc-zstd", "blosc-lz4")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Manifest fields that decide a store's content: a writer may only add parts to a store whose values
 # for all of them equal its own, and the store-naming rule (store.store_key) hashes exactly these.
-CONTENT_KEYS = ("format_version", "target", "layers", "dtype", "codec", "max_length", "chunk_tokens")
+# `compute` (how the target ran: dtype, attention kernel) is absent from stores written before it existed.
+CONTENT_KEYS = ("format_version", "target", "compute", "layers", "dtype", "codec", "max_length", "chunk_tokens")
 
 
 class CacheFormatError(ValueError):

@@ -193,7 +193,9 @@ def read_manifest(root: zarr.Group, url: str) -> dict:
 def content_of(manifest: dict) -> dict:
     """The fields that decide a store's content (format.CONTENT_KEYS), as manifest_mismatch compares
     them: the target by its hashes and shape (its `id` is derived from those)."""
-    content = {k: manifest.get(k) for k in CONTENT_KEYS}
+    content = {k: manifest.get(k) for k in CONTENT_KEYS if k != "compute"}
+    if manifest.get("compute"):  # absent in stores written before it was recorded: they keep their names
+        content["compute"] = manifest["compute"]
     content["format_version"] = manifest.get("format_version", FORMAT_VERSION)
     content["target"] = {k: v for k, v in sorted((manifest.get("target") or {}).items()) if k != "id"}
     if manifest.get("storage", "zarr") != "zarr":  # absent for Zarr, so Zarr stores keep their names

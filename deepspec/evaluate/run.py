@@ -84,14 +84,15 @@ def auroc(score: np.ndarray, label: np.ndarray) -> float | None:
 
 
 def load_models(target_dir: Path, draft_dir: Path, device: torch.device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from deepspec.models.draft import DraftModel
+    from deepspec.models.target import compute_settings, load_causal_lm
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    compute = compute_settings(target_dir, device)
     tok = AutoTokenizer.from_pretrained(target_dir)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, attn_implementation="sdpa").to(device)
-    draft = DraftModel.load(draft_dir, device).to(dtype)
+    target = load_causal_lm(target_dir, device, compute)
+    draft = DraftModel.load(draft_dir, device).to(getattr(torch, compute["dtype"]))
     eos = target.generation_config.eos_token_id
     stop = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tok.eos_token_id is not None:

@@ -46,6 +46,16 @@ def require_mask_token(cfg: DraftConfig) -> None:
                       "slots from a token's embedding row: retrain with a reserved train.mask_token_id")
 
 
+def require_plain_embeddings(cfg: DraftConfig, fmt: str) -> None:
+    """For formats whose reference code embeds the draft's tokens with a plain nn.Embedding holding the
+    verifier's rows (speculators: `embed_tokens` loaded by `load_verifier_weights`)."""
+    if cfg.embed_scale != 1.0:
+        raise Refused(f"the target scales its input embeddings by {cfg.embed_scale:g} (Gemma: sqrt(hidden_size)) "
+                      f"and the draft was trained on those scaled rows; {fmt}'s draft models embed tokens with "
+                      "the verifier's unscaled rows, so the exported draft would see other inputs than it was "
+                      "trained on")
+
+
 def require_target_width(cfg: DraftConfig) -> None:
     if cfg.hidden_size != cfg.target_hidden_size:
         raise Refused(f"draft width {cfg.hidden_size} differs from the target's {cfg.target_hidden_size}; "
@@ -65,7 +75,7 @@ def _decoder_config(cfg: DraftConfig, dtype: str) -> dict:
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,            # older readers; transformers 5 reads rope_parameters
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": cfg.rope(),
         "max_position_embeddings": cfg.max_position_embeddings,
         "attention_bias": False,
         "tie_word_embeddings": False,

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from deepspec.export import layer_ids
 from deepspec.export.base import (Exported, TargetRef, backbone_tensors, eagle3_tensors, llama_layer_config,
-                                  qwen3_layer_config, require_mask_token, require_target_width)
+                                  qwen3_layer_config, require_mask_token, require_plain_embeddings,
+                                  require_target_width)
 from deepspec.models.draft import DraftModel
 
 # the speculators release whose format this writes (config key `speculators_version`)
@@ -36,6 +37,7 @@ class Speculators:
 
     def build(self, draft: DraftModel, target: TargetRef, dtype: str) -> Exported:
         cfg = draft.config
+        require_plain_embeddings(cfg, "speculators")
         if cfg.algorithm == "eagle3":
             return self.eagle3(draft, target, dtype)
         require_mask_token(cfg)

@@ -51,7 +51,9 @@ class DraftConfig:
     intermediate_size: int = 384
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_parameters: dict = field(default_factory=dict)  # the target's RoPE (type, scaling); {} = default at rope_theta
     max_position_embeddings: int = 32768
+    embed_scale: float = 1.0        # the target's input-embedding multiplier (Gemma: sqrt(hidden_size))
     markov_rank: int = 64           # 0 disables the Markov head (dflash)
     confidence: bool = True         # False disables the confidence head (dflash)
     mask_token_id: int = -1         # reserved target token whose embedding fills the mask slots; -1 = learned
@@ -76,10 +78,12 @@ class DraftConfig:
     def for_target(cls, algorithm: str, target_config, target_layers: list[int], block_size: int,
                    num_layers: int, markov_rank: int, identity: dict, mask_token_id: int = -1,
                    mask_token: str = "", sample_from_anchor: bool = True, ttt_steps: int = 0,
-                   draft_vocab_size: int = 0) -> "DraftConfig":
-        """Draft layers take the target's own dimensions (as the reference does). EAGLE-3 drafts a chain
-        of `ttt_steps` tokens per round (its block_size) and has no mask slots."""
+                   draft_vocab_size: int = 0, embed_scale: float = 1.0) -> "DraftConfig":
+        """Draft layers take the target's own dimensions and RoPE (as the reference does). EAGLE-3
+        drafts a chain of `ttt_steps` tokens per round (its block_size) and has no mask slots.
+        `embed_scale`: what the target's embedding module multiplies its rows by (target_embed_scale)."""
         tc = target_config
+        rope = target_rope(tc)
         dspark = algorithm == "dspark"
         if algorithm == "eagle3":
             block_size, mask_token_id, sample_from_anchor = ttt_steps, -1, True
@@ -94,18 +98,34 @@ class DraftConfig:
                    num_kv_heads=tc.num_key_value_heads,
                    head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
                    intermediate_size=tc.intermediate_size, rms_norm_eps=tc.rms_norm_eps,
-                   rope_theta=float(getattr(tc, "rope_theta", None) or
-                                    (getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+                   rope_theta=rope["rope_theta"], rope_parameters=rope,
+                   max_position_embeddings=int(getattr(tc, "max_position_embeddings", None) or 32768),
+                   embed_scale=embed_scale,
                    markov_rank=markov_rank if dspark else 0, confidence=dspark, mask_token_id=mask_token_id,
                    mask_token=mask_token if mask_token_id >= 0 else "", sample_from_anchor=sample_from_anchor,
                    ttt_steps=ttt_steps, draft_vocab_size=draft_vocab_size, target=identity)
+
+    def rope(self) -> dict:
+        """transformers' `rope_parameters` for the draft's rotary embedding."""
+        return {"rope_type": "default", **self.rope_parameters, "rope_theta": self.rope_theta}
 
     def qwen3(self) -> Qwen3Config:
         return Qwen3Config(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
                            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
                            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-                           head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+                           head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, rope_parameters=self.rope(),
                            max_position_embeddings=self.max_position_embeddings, attention_bias=False)
+
+
+def target_rope(target_config) -> dict:
+    """The target's RoPE as transformers' `rope_parameters` (type, theta, scaling). A target with one
+    RoPE per attention type (Gemma 3: local layers at 10k, global at 1M) gives its full-attention
+    one: draft layers attend to the whole context."""
+    rp = dict(getattr(target_config, "rope_parameters", None) or {})
+    if isinstance(rp.get("full_attention"), dict):
+        rp = dict(rp["full_attention"])
+    theta = rp.get("rope_theta") or getattr(target_config, "rope_theta", None) or 10000.0
+    return {**rp, "rope_type": rp.get("rope_type", "default"), "rope_theta": float(theta)}
 
 
 class DraftLayer(nn.Module):
@@ -180,10 +200,14 @@ class DraftModel(nn.Module):
             nn.init.zeros_(self.markov_out.weight)  # start as "no bias": the Markov head learns a correction
 
     def copy_target_embeddings(self, target) -> None:
-        """Copy the target's input embeddings and lm_head, then freeze them."""
+        """Copy a loaded target's input embeddings and lm_head, then freeze them."""
+        self.set_target_embeddings(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+
+    def set_target_embeddings(self, embed: torch.Tensor, head: torch.Tensor) -> None:
+        """The target's input embeddings and lm_head [V, H] (models.target.embedding_weights), frozen."""
         with torch.no_grad():
-            self.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-            self.lm_head.weight.copy_(target.get_output_embeddings().weight)
+            self.embed_tokens.weight.copy_(embed)
+            self.lm_head.weight.copy_(head)
         self.freeze_embeddings()
 
     def freeze_embeddings(self) -> None:
@@ -202,7 +226,7 @@ class DraftModel(nn.Module):
         B, N = anchor_tokens.shape
         g = self.config.block_size
         slots = self.mask_vector().to(ctx.dtype).expand(B, N, g, -1).clone()
-        slots[:, :, 0] = self.embed_tokens(anchor_tokens).to(ctx.dtype)
+        slots[:, :, 0] = self.embed(anchor_tokens).to(ctx.dtype)
         h = slots.reshape(B, N * g, -1)
         blk_pos = (anchor_pos[:, :, None] + torch.arange(g, device=ctx.device)).reshape(B, N * g)
         rope_blk = self.rotary(h, blk_pos)
@@ -211,10 +235,16 @@ class DraftModel(nn.Module):
             h = layer(h, ctx, rope_ctx, rope_blk, mask, cache)
         return self.norm(h).view(B, N, g, -1)
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """What the target's embedding module gives for `tokens` (engines feed the draft from it)."""
+        out = self.embed_tokens(tokens)
+        scale = self.config.embed_scale  # applied in the weights' dtype, as the target's module does
+        return out if scale == 1.0 else out * torch.tensor(scale, dtype=out.dtype, device=out.device)
+
     def mask_vector(self) -> torch.Tensor:
         if self.mask_embedding is not None:
             return self.mask_embedding
-        return self.embed_tokens.weight[self.config.mask_token_id]
+        return self.embed(torch.tensor(self.config.mask_token_id, device=self.embed_tokens.weight.device))
 
     def drafts(self, h: torch.Tensor) -> torch.Tensor:
         """[.., γ, H] block states -> [.., num_drafts, H]: draft j's state (it predicts token a+j+1)."""

@@ -37,7 +37,7 @@ def llama_config(cfg) -> LlamaConfig:
     return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-                       rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
+                       rope_parameters=cfg.rope(), max_position_embeddings=cfg.max_position_embeddings,
                        attention_bias=False, mlp_bias=False, hidden_act="silu")
 
 
@@ -138,11 +138,14 @@ class Eagle3Model(nn.Module):
             self.t2d.copy_(t2d)
 
     def copy_target_embeddings(self, target) -> None:
+        self.set_target_embeddings(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+
+    def set_target_embeddings(self, embed: torch.Tensor, head: torch.Tensor) -> None:
         """The target's embeddings (frozen), its lm_head rows of the draft vocabulary as the draft head's
         start (trained), and its full head for the loss."""
         with torch.no_grad():
-            self.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-            head = target.get_output_embeddings().weight.detach().clone()
+            self.embed_tokens.weight.copy_(embed)
+            head = head.detach().clone()
             self.lm_head.weight.copy_(head[self.draft_ids()])
             self.verifier_head = head.to(self.fc.weight.device)
         self.freeze_embeddings()
@@ -166,7 +169,10 @@ class Eagle3Model(nn.Module):
 
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, mask, past=()):
         """One pass of the decoder layer: tokens/pos [B, Q], hidden [B, Q, H] -> (output, (k, v))."""
-        emb = self.embed_tokens(tokens).to(hidden.dtype)
+        emb = self.embed_tokens(tokens)
+        if self.config.embed_scale != 1.0:  # what the target's embedding module gives (Gemma scales)
+            emb = emb * torch.tensor(self.config.embed_scale, dtype=emb.dtype, device=emb.device)
+        emb = emb.to(hidden.dtype)
         return self.layer(emb, hidden, self.rotary(hidden, pos), mask, past)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

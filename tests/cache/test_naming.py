@@ -35,6 +35,8 @@ def test_store_key_is_readable_and_changes_with_every_content_field():
         "codec": manifest(codec="blosc-lz4"),
         "max_length": manifest(max_length=4096),
         "chunk_tokens": manifest(chunk_tokens=32),
+        # how the target ran: a bf16 GPU build and an fp32 CPU build are different stores
+        "compute": dict(base, compute={"dtype": "bfloat16", "attention": "sdpa"}),
     }
     assert sorted(variants) == sorted(CONTENT_KEYS)  # the rule covers exactly what a writer compares
     for field, other in variants.items():
@@ -45,6 +47,8 @@ def test_store_key_is_readable_and_changes_with_every_content_field():
                 target=dict(IDENT, id="renamed"), parts=[{"name": "p000000"}], num_samples=3)
     assert manifest_mismatch(base, same) is None
     assert store_key(same).rsplit("-", 1)[1] == store_key(base).rsplit("-", 1)[1]
+    fp32 = dict(base, compute={"dtype": "float32", "attention": "sdpa"})
+    assert manifest_mismatch(fp32, dict(fp32, compute={"dtype": "float32", "attention": "eager"})) is not None
 
 
 def test_a_local_path_is_the_store_and_a_remote_url_a_lake():
