@@ -21,6 +21,17 @@ Each section is one function registered with `@section`; `--only` runs a subset.
              recovery pass), the split file read in input order and every finished row written to
              train.jsonl, as a rerun after a crash does; beside it, in its own process, the same
              rows held in a dict and a list (what the stage did before it streamed).
+  train_init_rss  peak RSS above the post-import baseline of building a fresh draft from a target of
+             real width and >= 2 GB on disk (Qwen3-4B's H = 2,560, V = 151,936, intermediate 9,728,
+             --init-layers decoder layers, bf16 safetensors), less the draft's own parameters: what
+             reading the target costs beyond the draft. This code reads the embedding and lm_head
+             slice by slice from the safetensors; `whole` loads the target in float32 and copies
+             them (what the stage did before). Each run in a fresh process.
+  train_accum_rss  peak RSS above baseline of training steps vs train.grad_accum (--accum, e.g.
+             1 vs 64) at a fixed micro-batch, on a cache of --train-tokens-token samples of the
+             synthetic target (H = 2,560): micro-batches that stream stay flat, a trainer that
+             collects a step's micro-batches before the first backward grows with grad_accum (compare
+             with --code).
   index      manifest/index bytes written vs parts, store open time and requests (local, moto S3)
              vs parts, files per part and per TB: benchmarks/scale_index.py (its own options there).
   s3         S3 read throughput vs requests in flight through a throttling proxy in front of moto:
@@ -292,6 +303,153 @@ def regen_rss(args) -> None:
           f"({args.row_chars}-char answers)", ["mode", "rows", "MB above baseline", "vs smallest", "wall s"], out)
 
 
+# ---- train ---------------------------------------------------------------------------------------
+def big_target(out: Path, layers: int) -> Path:
+    """A random Qwen3-4B-shaped target with `layers` decoder layers, saved in bf16 (as the hub ships
+    it), with the builtin tokenizer (its 512 tokens are fewer than the 151,936 embedding rows)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from deepspec.io import write_json
+    from deepspec.models.target import default_generation_config, identity
+    from deepspec.models.tiny import build_tokenizer, conversation_text
+
+    tok = build_tokenizer([conversation_text(r["conversations"]) for r in synthetic_rows(200, 400)], 512)
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=layers,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                      tie_word_embeddings=True, bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+                      eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                      pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    model.generation_config = default_generation_config(cfg.eos_token_id, cfg.pad_token_id)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    del model
+    write_json(out / "identity.json", identity(out))
+    return out
+
+
+def train_init_child(spec: dict) -> None:
+    import gc
+
+    import torch
+
+    from deepspec.config import TrainConfig
+    from deepspec.train.run import new_draft
+    import transformers  # noqa: F401  (imports in the baseline)
+
+    torch.set_num_threads(spec["threads"])
+    target = Path(spec["target"])
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    base = status_kb("VmRSS")
+    t0 = time.time()
+    cfg = TrainConfig()
+    if spec["mode"] == "whole":  # the stage's earlier way: the whole target in float32, two copies taken
+        from transformers import AutoModelForCausalLM
+
+        draft = new_draft(cfg, [-1], target)
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+        draft.copy_target_embeddings(model)
+        del model
+    else:
+        draft = new_draft(cfg, [-1], target)
+    peak = status_kb("VmHWM")
+    own = sum(t.numel() * t.element_size() for t in draft.state_dict().values()) // 1024
+    print(json.dumps({"baseline_kb": base, "peak_kb": peak, "draft_kb": own, "wall_s": round(time.time() - t0, 1)}))
+
+
+@section
+def train_init_rss(args) -> None:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="scale-train-") as tmp:
+        target = big_target(Path(tmp) / "target", args.init_layers)
+        size_mb = sum(p.stat().st_size for p in target.glob("*.safetensors")) / 2 ** 20
+        for mode in ("this", "whole"):
+            env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+            spec = {"target": str(target), "mode": mode, "threads": args.threads}
+            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--train-init-child",
+                                   json.dumps(spec)], env=env, capture_output=True, text=True, cwd=tmp)
+            if proc.returncode != 0:
+                raise RuntimeError(f"draft init ({mode}) failed:\n{proc.stderr[-3000:]}")
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            print(f"  {mode}: {json.dumps(r)}", file=sys.stderr)
+            above = (r["peak_kb"] - r["baseline_kb"]) / 1024
+            beyond = above - r["draft_kb"] / 1024
+            rows.append([mode, round(size_mb), round(above), round(r["draft_kb"] / 1024), round(beyond),
+                         f"{beyond / size_mb:.2f}x", r["wall_s"]])
+    table(f"train stage, a fresh draft from a {args.init_layers}-layer Qwen3-4B-shaped target (bf16 on disk): peak RSS "
+          "above baseline, and beyond the draft's own parameters, vs the target's size",
+          ["read", "target_MB", "above_MB", "draft_MB", "beyond_draft_MB", "vs target size", "wall_s"], rows)
+
+
+def train_accum_child(spec: dict) -> None:
+    import gc
+
+    import torch
+
+    from deepspec.config import TrainConfig
+    from deepspec.train.run import build_trainer
+
+    torch.set_num_threads(spec["threads"])
+    cfg = TrainConfig(steps=spec["steps"], grad_accum=spec["accum"], batch_size=spec["batch"], warmup_steps=0,
+                      checkpoint_every=10 ** 6, markov_rank=8)
+    root = Path(spec["root"])
+    trainer = build_trainer(cfg, [-1], spec["cache"], Path(spec["target"]), root / "out", root / "state")
+    trainer.callbacks = []
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    base = status_kb("VmRSS")
+    t0 = time.time()
+    trainer.fit()
+    print(json.dumps({"baseline_kb": base, "peak_kb": status_kb("VmHWM"), "wall_s": round(time.time() - t0, 1)}))
+
+
+@section
+def train_accum_rss(args) -> None:
+    import shutil
+
+    from deepspec.cache.build import build_cache
+    from deepspec.config import CacheConfig
+
+    accums = [int(a) for a in args.accum.split(",")]
+    codes = [("this", REPO)] + ([("--code", Path(args.code).resolve())] if args.code else [])
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="scale-accum-") as tmp:
+        root = Path(tmp)
+        target = synthetic_target(root / "target")
+        regen = root / "regen.jsonl"
+        n = max(accums) * args.train_batch * 2
+        with open(regen, "w") as f:
+            for r in synthetic_rows(n, args.train_tokens * 4, seed=3):
+                f.write(json.dumps(r) + "\n")
+        cache = root / "cache.zarr"
+        build_cache(CacheConfig(url=str(cache), max_length=args.train_tokens, part_tokens=65536), [-1], regen, target)
+        for label, code in codes:
+            first = None
+            for a in accums:
+                run = root / f"run-{label}-{a}"
+                spec = {"cache": str(cache), "target": str(target), "root": str(run), "accum": a,
+                        "batch": args.train_batch, "steps": 2, "threads": args.threads}
+                env = dict(os.environ, PYTHONPATH=str(code), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+                proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--train-accum-child",
+                                       json.dumps(spec)], env=env, capture_output=True, text=True, cwd=tmp)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"training at grad_accum {a} failed:\n{proc.stderr[-3000:]}")
+                r = json.loads(proc.stdout.strip().splitlines()[-1])
+                print(f"  {label} {a}: {json.dumps(r)}", file=sys.stderr)
+                above = (r["peak_kb"] - r["baseline_kb"]) / 1024
+                first = first if first is not None else above
+                rows.append([label, a, round(above, 1), f"{above / first:.2f}x", r["wall_s"]])
+                shutil.rmtree(run, ignore_errors=True)
+    table(f"train stage: peak RSS above baseline over 2 steps vs grad_accum (micro-batch {args.train_batch} x "
+          f"{args.train_tokens} tokens, H=2560, layers [-1])", ["code", "grad_accum", "above_MB", "vs first", "wall_s"],
+          rows)
+
+
 @section
 def index(args) -> None:
     subprocess.run([sys.executable, str(REPO / "benchmarks/scale_index.py"),
@@ -321,7 +479,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--code", help="cache_rss: also run the stage from this checkout, side by side")
     ap.add_argument("--regen-rows", default="10000,30000,100000", help="regen_rss: journal row counts")
+    ap.add_argument("--init-layers", type=int, default=7, help="train_init_rss: decoder layers of the target "
+                    "(7: 2.2 GB of bf16 weights)")
+    ap.add_argument("--accum", default="1,64", help="train_accum_rss: grad_accum values")
+    ap.add_argument("--train-batch", type=int, default=1, help="train_accum_rss: train.batch_size")
+    ap.add_argument("--train-tokens", type=int, default=1024, help="train_accum_rss: tokens per sample")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--train-init-child", help=argparse.SUPPRESS)
+    ap.add_argument("--train-accum-child", help=argparse.SUPPRESS)
     ap.add_argument("--regen-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -329,6 +494,12 @@ def main() -> None:
         return
     if args.regen_child:
         regen_child(json.loads(args.regen_child))
+        return
+    if args.train_init_child:
+        train_init_child(json.loads(args.train_init_child))
+        return
+    if args.train_accum_child:
+        train_accum_child(json.loads(args.train_accum_child))
         return
     unknown = set(args.only.split(",")) - set(SECTIONS)
     if unknown:

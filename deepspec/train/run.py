@@ -14,7 +14,7 @@ from deepspec.config import ConfigError, TrainConfig, to_dict
 from deepspec.io import fingerprint
 from deepspec.loader.dataset import TargetCacheDataset
 from deepspec.models.draft import DraftConfig, DraftModel
-from deepspec.models.target import load_identity
+from deepspec.models.target import embedding_weights, load_identity, target_embeddings
 from deepspec.train.callbacks import DvcLiveMetrics, JsonMetrics, ProgressBar
 from deepspec.train.trainer import Trainer
 
@@ -83,18 +83,26 @@ def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path, vocab_count
               cache_ids: Callable[[], np.ndarray] | None = None) -> DraftModel:
     """A fresh draft initialised from the target. EAGLE-3 also needs the loss-token frequencies of the
     cache (`vocab_counts`, see eagle3.loss_token_counts) for its reduced vocabulary."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     identity = load_identity(target_dir)
+    eagle = cfg.algorithm == "eagle3"
+    # the two matrices the draft takes, read by name from the checkpoint, never the whole target;
+    # EAGLE-3 keeps the target's whole head for its loss, so it takes them as tensors
+    where = target_embeddings(target_dir)
+    embed = head = None
+    if where is None or eagle:
+        embed, head, embed_scale = embedding_weights(target_dir)
+    else:
+        embed_scale = where.scale
     target_cfg = AutoConfig.from_pretrained(target_dir)
     text_cfg = getattr(target_cfg, "text_config", target_cfg)
-    eagle = cfg.algorithm == "eagle3"
     mask_id, mask_text = (-1, "") if eagle else \
         resolve_mask_token(cfg, AutoTokenizer.from_pretrained(target_dir), text_cfg.vocab_size, cache_ids)
     draft_cfg = DraftConfig.for_target(cfg.algorithm, text_cfg, layers, cfg.block_size, cfg.draft_layers,
                                        cfg.markov_rank, identity, mask_token_id=mask_id, mask_token=mask_text,
                                        sample_from_anchor=sample_from_anchor(cfg), ttt_steps=cfg.ttt_steps,
-                                       draft_vocab_size=cfg.draft_vocab_size)
+                                       draft_vocab_size=cfg.draft_vocab_size, embed_scale=embed_scale)
     torch.manual_seed(cfg.seed)
     if eagle:
         from deepspec.models.eagle3 import Eagle3Model, vocab_map
@@ -108,8 +116,11 @@ def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path, vocab_count
         model.set_vocab(*vocab_map(vocab_counts, draft_cfg.draft_vocab_size, draft_cfg.vocab_size))
     else:
         model = DraftModel(draft_cfg)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    model.copy_target_embeddings(target)
+    if embed is None:  # copied slice by slice into the draft's own frozen rows
+        where.read_into(model.embed_tokens.weight, model.lm_head.weight)
+        model.freeze_embeddings()
+    else:
+        model.set_target_embeddings(embed, head)
     return model
 
 
@@ -153,9 +164,14 @@ def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_di
     if cfg.algorithm == "eagle3":
         from deepspec.models.eagle3 import loss_token_counts
 
-        tokens = TargetCacheDataset(cache_url, layers=[], fields=("input_ids", "loss_mask"),
-                                    storage_options=storage_options, manifest=manifest)
-        counts = loss_token_counts(tokens)
+        if rank == 0:  # one pass over the corpus's tokens, on one rank; the others get its result
+            tokens = TargetCacheDataset(cache_url, layers=[], fields=("input_ids", "loss_mask"),
+                                        storage_options=storage_options, manifest=manifest)
+            counts = loss_token_counts(tokens)
+        if world > 1:
+            box = [counts]
+            torch.distributed.broadcast_object_list(box, src=0)
+            counts = box[0]
     def cache_ids() -> np.ndarray:  # only read when no cheaper rule finds a mask token
         tokens = TargetCacheDataset(cache_url, layers=[], fields=("input_ids",),
                                     storage_options=storage_options, manifest=manifest)

@@ -293,8 +293,8 @@ class Trainer:
             self.state.epoch += 1
             self.state.position = 0
 
-    def _global_weight(self, anchors_and_batches) -> float:
-        local = sum(float(self.model.loss_weights(b, a, self.cfg.decay_gamma).sum()) for b, a in anchors_and_batches)
+    def _global_weight(self, local: float) -> float:
+        """The sum of every rank's loss weight of this step."""
         if self.world_size > 1:
             t = torch.tensor([local], dtype=torch.float64, device=self.device)
             torch.distributed.all_reduce(t)
@@ -314,25 +314,35 @@ class Trainer:
             lr = cfg.lr * lr_factor(step, cfg)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            micro = []
+            # Micro-batches stream: each is loaded, run backward and freed before the next, so a step
+            # holds one micro-batch whatever grad_accum is. The loss of a step is normalised by the
+            # global batch's weight, known only after the last one: each backward runs on the
+            # unnormalised sum and the accumulated gradients are divided once at the end (the
+            # gradient is linear in that factor).
+            agg: dict = {}
+            local_weight = 0.0
             for m in range(cfg.grad_accum):
                 batch = next(batches)
                 anchors = sample_anchors(batch["loss_mask"], batch["lengths"].to(batch["loss_mask"].device),
                                          cfg.anchors_per_sample, anchor_generator(cfg.seed, step, m, self.rank))
-                micro.append((batch, anchors))
-            total = self._global_weight(micro)
-            norm = max(total, 1e-6) / self.world_size  # DDP averages gradients over ranks
-            agg: dict = {}
-            for m, (batch, anchors) in enumerate(micro):
-                sync = m == len(micro) - 1 or self.world_size == 1
+                local_weight += float(self.model.loss_weights(batch, anchors, cfg.decay_gamma).sum())
+                sync = m == cfg.grad_accum - 1 or self.world_size == 1
                 ctx = self.module.no_sync() if not sync and hasattr(self.module, "no_sync") else nullcontext()
                 with ctx, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                     out = self.module(batch, anchors, cfg.ce_weight, cfg.l1_weight, cfg.conf_weight,
-                                      cfg.decay_gamma, norm=norm)
+                                      cfg.decay_gamma, norm=1.0)
                     out.loss.backward()
                 for k, v in out.metrics.items():  # loss terms add up over micro-batches, rates average
-                    agg[k] = agg.get(k, 0.0) + (v if k in LOSS_TERMS else v / len(micro))
+                    agg[k] = agg.get(k, 0.0) + (v if k in LOSS_TERMS else v / cfg.grad_accum)
                 self.state.tokens += int(batch["lengths"].sum())
+                del batch, anchors, out
+            # DDP averaged the gradients over ranks: the global sum over the global weight is that mean
+            # times world / weight
+            scale = self.world_size / max(self._global_weight(local_weight), 1e-6)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            agg = {k: v * scale if k in LOSS_TERMS else v for k, v in agg.items()}
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)) if cfg.grad_clip > 0 \
                 else 0.0
             self.optimizer.step()

@@ -282,6 +282,27 @@ def test_torchrun_two_processes_follow_the_one_process_loss_curve(tmp_path, smal
         assert abs(x - y) <= 0.15 * max(x, y), (s1, s2)
 
 
+@pytest.mark.slow
+def test_torchrun_eagle3_ranks_share_rank_0s_draft_vocabulary(tmp_path, small_cache, trained_target):
+    """The loss-token counts are taken once, on rank 0, and broadcast: both ranks build the vocabulary
+    maps a one-process run builds (and agree on them, or DDP's first step would see other buffers)."""
+    from deepspec.data.servers import free_port
+
+    kw = dict(algorithm="eagle3", ttt_steps=2, draft_vocab_size=64, steps=2, batch_size=4)
+    one = _stage_dir(tmp_path / "one", small_cache, trained_target, **kw)
+    two = _stage_dir(tmp_path / "two", small_cache, trained_target, **kw)
+    env = project_env(REPO, DEEPSPEC_LOG="WARNING")
+    subprocess.run([sys.executable, str(REPO / "stages" / "train.py")], cwd=one, env=env, check=True,
+                   capture_output=True)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), str(REPO / "stages" / "train.py")],
+                          cwd=two, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    a = load_file(one / "data" / "draft" / "model.safetensors")
+    b = load_file(two / "data" / "draft" / "model.safetensors")
+    assert torch.equal(a["d2t"], b["d2t"]) and torch.equal(a["t2d"], b["t2d"])
+
+
 def _curve(work: Path):
     tsv = work / "data" / "train" / "live" / "plots" / "metrics" / "train" / "loss.tsv"
     rows = [line.split("\t") for line in tsv.read_text().splitlines()]
