@@ -31,9 +31,16 @@ def _special_ids(tokenizer) -> set[int]:
     return ids
 
 
-def render(tokenizer, turns: list[dict], **template_kwargs) -> str:
-    return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=False,
-                                         **template_kwargs)
+def render(tokenizer, turns: list[dict], add_generation_prompt: bool = False, **template_kwargs) -> str:
+    """The template's text; a conversation the template refuses (its `raise_exception`, e.g. Gemma's
+    "roles must alternate") is a TemplateError carrying the template's own message."""
+    from jinja2.exceptions import TemplateError as JinjaError
+
+    try:
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **template_kwargs)
+    except JinjaError as e:
+        raise TemplateError(f"the chat template refuses this conversation: {e}") from None
 
 
 def _marker(i: int) -> str:
@@ -112,6 +119,5 @@ def encode_conversation(tokenizer, turns: list[dict], max_length: int | None = N
 
 def encode_prompt(tokenizer, turns: list[dict], **template_kwargs) -> list[int]:
     """Token ids of a prompt that ends with the assistant header (generation prompt)."""
-    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True,
-                                         **template_kwargs)
+    text = render(tokenizer, turns, add_generation_prompt=True, **template_kwargs)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -184,3 +184,65 @@ def test_short_answer_is_not_found_inside_template_markup_qwen(qwen_tokenizer, c
     assert_mask_is_exactly_the_answers(qwen_tokenizer, conv, enc)
     text = qwen_tokenizer.apply_chat_template(conv, tokenize=False)
     assert enc.loss_mask == reference_mask_without_deviations(qwen_tokenizer, text, enc.input_ids)
+
+
+# ---- Gemma 3's template (shipped for builtin:gemma3-270m): it trims contents, renames the assistant role,
+# folds the system prompt into the first user turn and refuses roles that do not alternate ----------------
+
+@pytest.fixture(scope="module")
+def gemma_style_tokenizer(qwen_tokenizer):
+    """The real Qwen vocabulary with Gemma's turn markers as special tokens and Gemma 3's own template."""
+    import copy
+
+    from deepspec.models.chat_templates import GEMMA3
+
+    tok = copy.deepcopy(qwen_tokenizer)
+    tok.add_special_tokens({"bos_token": "<bos>", "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    tok.chat_template = GEMMA3
+    return tok
+
+
+def test_gemma_template_mask_covers_the_trimmed_answers_and_their_end_of_turn(gemma_style_tokenizer):
+    tok = gemma_style_tokenizer
+    conv = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "  Name a fruit. "},
+            {"role": "assistant", "content": "  Mango.\n"}, {"role": "user", "content": "A colour?"},
+            {"role": "assistant", "content": "Blue,\nand red."}]
+    enc = encode_conversation(tok, conv)
+    text = tok.decode(enc.input_ids)
+    assert text.startswith("<bos><start_of_turn>user\nAnswer briefly.\n\nName a fruit.<end_of_turn>\n"
+                           "<start_of_turn>model\nMango.<end_of_turn>")
+    masked = [t for t, m in zip(enc.input_ids, enc.loss_mask) if m]
+    assert tok.decode(masked) == "Mango.<end_of_turn>Blue,\nand red.<end_of_turn>"
+    assert encode_prompt(tok, conv[:2])[-3:] == tok("<start_of_turn>model\n", add_special_tokens=False)["input_ids"]
+
+
+def test_a_conversation_the_template_refuses_is_a_row_error_with_the_templates_message(gemma_style_tokenizer):
+    from deepspec.cache.build import EncodeRules, encode_row
+
+    row = {"id": "00000000000000aa", "conversations": [
+        {"role": "user", "content": "Hi"}, {"role": "user", "content": "Hello?"},
+        {"role": "assistant", "content": "Hi."}]}
+    out = encode_row(gemma_style_tokenizer, row, EncodeRules(max_length=512))
+    assert out["id"] == row["id"] and out["reason"] == "template"
+    assert "Conversation roles must alternate" in out["detail"]
+    with pytest.raises(TemplateError, match="roles must alternate"):
+        encode_prompt(gemma_style_tokenizer, row["conversations"][:2])
+
+
+def test_the_thinking_switch_reaches_the_template(small_model_dir, tmp_path):
+    """regen.disable_thinking (the in-process backend) passes enable_thinking to a template that has the switch."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from deepspec.config import RegenConfig, SamplingConfig
+    from deepspec.data.generate import LocalGenerator
+
+    model = shutil.copytree(small_model_dir, tmp_path / "model")
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = QWEN3_STYLE_TEMPLATE
+    tok.save_pretrained(model)
+    conv = [{"role": "user", "content": "Name a fruit."}]
+    for disable, tail in ((True, "<|im_start|>assistant\n<think>\n\n</think>\n\n"), (False, "<|im_start|>assistant\n")):
+        gen = LocalGenerator(model, RegenConfig(disable_thinking=disable), SamplingConfig())
+        assert gen.tokenizer.decode(gen.prompt(conv)).endswith("Name a fruit.<|im_end|>\n" + tail)
