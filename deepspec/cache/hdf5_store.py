@@ -12,10 +12,12 @@ h5py, exactly as it reads a Zarr shard.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
 import tempfile
+import threading
 import uuid
 from functools import lru_cache
 
@@ -188,12 +190,19 @@ class HDF5Store(CacheStore):
         path = local_path(self.url) / prefix
         return sorted(os.listdir(path)) if path.is_dir() else []
 
+    @contextlib.contextmanager
     def _h5(self, name: str):
         import h5py
 
-        if self.remote:
-            return h5py.File(self.fs.open(self._path(f"parts/{name}{SUFFIX}"), "rb"), "r")
-        return h5py.File(self._path(f"parts/{name}{SUFFIX}"), "r")
+        if not self.remote:
+            with h5py.File(self._path(f"parts/{name}{SUFFIX}"), "r") as f:
+                yield f
+            return
+        # h5py reads the S3 object through the fsspec file while holding its global lock: no cyclic
+        # collection meanwhile (_no_cyclic_gc); the HDF5 file is closed before the file object
+        with _no_cyclic_gc(), self.fs.open(self._path(f"parts/{name}{SUFFIX}"), "rb") as raw, \
+                h5py.File(raw, "r") as f:
+            yield f
 
     # ---- manifest ----------------------------------------------------------------------------
     def root_attrs(self) -> dict:
@@ -469,6 +478,33 @@ class HDF5Store(CacheStore):
 
     def array_rows(self, part: PartEntry, array: str) -> int:
         return int(self._table(part)[array]["shape"][0])
+
+
+_GC_LOCK = threading.Lock()
+_gc_holds = 0
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc():
+    """No automatic cyclic garbage collection, in any thread, while h5py reads a file object on S3.
+    h5py holds its global lock while it calls the file object's read(), and an S3 read waits for
+    fsspec's IO thread; a collection that starts on that thread and frees an h5py object (one a
+    reference cycle kept: a frame held by an exception's traceback, ...) waits for the same lock:
+    both threads wait forever (h5py's File docs on file-like objects; h5py/h5py#2019)."""
+    global _gc_holds, _gc_was_enabled
+    with _GC_LOCK:
+        if _gc_holds == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_holds += 1
+    try:
+        yield
+    finally:
+        with _GC_LOCK:
+            _gc_holds -= 1
+            if _gc_holds == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 @lru_cache(maxsize=1)

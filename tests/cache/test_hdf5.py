@@ -197,3 +197,49 @@ def test_a_draft_trained_on_zarr_and_on_its_hdf5_conversion_sees_identical_batch
     wa = load_file(next((tmp_path / "zarr" / "draft").glob("*.safetensors")))
     wb = load_file(next((tmp_path / "hdf5" / "draft").glob("*.safetensors")))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+GC_ON_FSSPEC_THREAD = r"""
+import gc, sys
+import h5py
+from deepspec.cache.hdf5_store import HDF5Store
+
+url, endpoint = sys.argv[1:3]
+store = HDF5Store(url, {"endpoint_url": endpoint, "key": "testing", "secret": "testing"})
+held = [[h5py.h5p.create(h5py.h5p.FILE_ACCESS)]]  # an h5py object that only a reference cycle will keep
+held[0].append(held[0])
+real = type(store.fs)._call_s3
+
+async def _call_s3(self, method, *args, **kwargs):
+    # on fsspec's IO thread, serving a read h5py makes while it holds its lock: what an automatic
+    # collection starting here does (one runs only while collection is enabled)
+    if method == "get_object" and held and gc.isenabled():
+        held.clear()
+        gc.collect()
+    return await real(self, method, *args, **kwargs)
+
+type(store.fs)._call_s3 = _call_s3
+print(sorted(store.committed_parts()))
+"""
+
+
+def test_a_collection_on_fsspecs_io_thread_during_an_hdf5_read_on_s3_does_not_deadlock(moto, tmp_path):
+    """h5py holds its global lock while it reads through the S3 file object, whose reads wait for
+    fsspec's IO thread; a cyclic collection there that frees an h5py object needs that lock
+    (h5py/h5py#2019). A remote part is read with automatic collection off. In a subprocess: the
+    deadlock it guards against would leave this process's fsspec loop stuck for every later test."""
+    import subprocess
+    import sys
+
+    from tests.cache.test_conformance import make_part, write
+    from tests.conftest import REPO, project_env
+
+    url = f"s3://{moto.bucket('h5-gc')}/store"
+    write(("hdf5", url, moto.storage_options), [make_part("p000000", 1)])
+    try:
+        out = subprocess.run([sys.executable, "-c", GC_ON_FSSPEC_THREAD, url, moto.endpoint], cwd=tmp_path,
+                             env=project_env(REPO, **moto.env), capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("reading an HDF5 part on S3 deadlocked (a collection on fsspec's IO thread freed an h5py object)")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["['p000000']"]
