@@ -1,12 +1,14 @@
-"""Where conversations come from: the packaged corpus, a local JSONL, JSON-array or Parquet file, or a
-HF dataset.
+"""Where conversations come from: the packaged corpus, a local JSONL, JSON-array or Parquet file (the
+first two also gzip-compressed, `.jsonl.gz` / `.json.gz`), or a HF dataset.
 
 Every source yields `RawRow`s in source order; a row that cannot even be parsed carries the reason
 instead of a dict, so the split can count it with its line number rather than stop.
 """
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -26,13 +28,31 @@ class RawRow:
     detail: str = ""
 
 
-def _jsonl_rows(path: Path) -> Iterator[RawRow]:
+def _open(path: Path, text: bool):
+    """The file, decompressed on the fly when its name ends in .gz."""
     try:
-        f = open(path, "rb")
+        if path.suffix == ".gz":
+            return gzip.open(path, "rt" if text else "rb", **({"encoding": "utf-8"} if text else {}))
+        return open(path, **({"encoding": "utf-8"} if text else {"mode": "rb"}))
     except OSError as e:
         raise SourceError(f"{path}: cannot read source file: {e.strerror}") from None
-    with f:
+
+
+def _lines(f, path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, line); a compressed stream that ends early or is damaged is a SourceError that
+    says after which line (every line before it was complete)."""
+    lineno = 0
+    try:
         for lineno, raw in enumerate(f, 1):
+            yield lineno, raw
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise SourceError(f"{path}: the compressed file is truncated or damaged after line {lineno} ({e}); "
+                          "nothing was read from this source") from None
+
+
+def _jsonl_rows(path: Path) -> Iterator[RawRow]:
+    with _open(path, text=False) as f:
+        for lineno, raw in _lines(f, path):
             where = f"{path}:{lineno}"
             try:
                 text = raw.decode("utf-8")
@@ -57,11 +77,7 @@ def _json_array_rows(path: Path, chunk_chars: int = 1 << 20) -> Iterator[RawRow]
     time: the file is read in chunks and only the current element is held as Python objects. A `.json`
     file whose first value is an object is JSON Lines under another name and read as such."""
     decoder = json.JSONDecoder()
-    try:
-        f = open(path, encoding="utf-8")
-    except OSError as e:
-        raise SourceError(f"{path}: cannot read source file: {e.strerror}") from None
-    with f:
+    with _open(path, text=True) as f:
         buf, pos, base, eof = "", 0, 0, False   # base: bytes of the file before buf
 
         def more() -> bool:
@@ -72,6 +88,9 @@ def _json_array_rows(path: Path, chunk_chars: int = 1 << 20) -> Iterator[RawRow]
                 data = f.read(chunk_chars)
             except UnicodeDecodeError as e:
                 raise SourceError(f"{path}: not UTF-8 near byte {base + len(buf[:pos].encode())}: {e.reason}") from None
+            except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+                raise SourceError(f"{path}: the compressed file is truncated or damaged after (decompressed) byte "
+                                  f"{base + len(buf.encode())} ({e}); nothing was read from this source") from None
             base += len(buf[:pos].encode())
             buf, pos = buf[pos:] + data, 0
             eof = not data
@@ -192,15 +211,18 @@ def iter_source(spec: str, hf_split: str = "train") -> Iterator[RawRow]:
         return
     if spec.startswith("builtin:") or (":" in spec.split("/")[0] and not Path(spec).exists()):
         raise ConfigError(f"split.source: unknown source {spec!r} "
-                          "(use builtin:chat, hf:<dataset id or local dir>, or a .jsonl/.json/.parquet path)")
+                          "(use builtin:chat, hf:<dataset id or local dir>, or a .jsonl/.json/.parquet path, "
+                          ".jsonl.gz/.json.gz compressed)")
     path = Path(spec)
     if not path.exists():
         raise SourceError(f"{spec}: source file does not exist")
-    if path.suffix == ".jsonl":
+    kind = path.suffixes[-2] if path.suffix == ".gz" and len(path.suffixes) > 1 else path.suffix
+    if kind == ".jsonl":
         yield from _jsonl_rows(path)
-    elif path.suffix == ".json":
+    elif kind == ".json":
         yield from _json_array_rows(path)
-    elif path.suffix == ".parquet":
+    elif kind == ".parquet" and path.suffix != ".gz":
         yield from _parquet_rows(path)
     else:
-        raise ConfigError(f"split.source: {spec!r} is none of .jsonl, .json (an array), .parquet")
+        raise ConfigError(f"split.source: {spec!r} is none of .jsonl, .json (an array), .parquet, .jsonl.gz, "
+                          ".json.gz")

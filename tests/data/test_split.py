@@ -253,6 +253,27 @@ def test_a_truncated_json_array_is_an_error_naming_the_byte_and_writes_nothing(t
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("kind", ["jsonl", "json"])
+def test_gzip_sources_split_like_the_uncompressed_file_and_a_truncated_one_is_an_error(tmp_path, kind):
+    import gzip
+
+    text = (json.dumps(GOOD[:40], indent=1) if kind == "json" else
+            "".join(json.dumps(r) + "\n" for r in GOOD[:40])).encode()
+    plain, packed = tmp_path / f"chats.{kind}", tmp_path / f"chats.{kind}.gz"
+    plain.write_bytes(text)
+    packed.write_bytes(gzip.compress(text))
+    a = run_split(SplitConfig(source=str(plain), test_fraction=0.2), tmp_path / "a")
+    b = run_split(SplitConfig(source=str(packed), test_fraction=0.2), tmp_path / "b")
+    assert a["kept"] == b["kept"] == 40
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "source"} for r in rows]  # noqa: E731 (the file name)
+    assert strip(read(tmp_path / "a/train.jsonl")) == strip(read(tmp_path / "b/train.jsonl"))
+    cut = tmp_path / f"cut.{kind}.gz"
+    cut.write_bytes(gzip.compress(text)[:-200])  # a download that stopped early
+    with pytest.raises(SourceError, match=r"cut\.%s\.gz: the compressed file is truncated or damaged after" % kind):
+        run_split(SplitConfig(source=str(cut)), tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+
+
 def test_openai_messages_and_a_leading_assistant_turn(tmp_path):
     opening = {"messages": [{"role": "system", "content": "be kind"},
                             {"role": "assistant", "content": "Hi! Ask me anything."},
