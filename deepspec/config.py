@@ -122,6 +122,9 @@ class CacheConfig:
     chunk_tokens: int = _f(64, ge=1)
     storage_options: dict[str, Any] = _f(factory=dict)
     threads: int = _f(0, ge=0)
+    # multi-rank: how long a collective (the index shares, the store snapshot, the barriers) waits for
+    # the slowest rank before the job fails; raise it for inputs whose share takes a rank longer
+    collective_timeout_s: int = _f(1800, ge=10)
     # where a store of new content may be derived from instead of running the target
     # (deepspec.cache.derive): "" = the store at a local url / the lake's other stores; a path or
     # s3:// URL = that store; "none" = always compute

@@ -7,6 +7,7 @@ remote lake (docs/cache-format.md §9); data/cache/manifest.json records its ful
 """
 import json
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -19,8 +20,9 @@ from deepspec.stage import StageError, configure_threads, run_stage
 
 
 def split_timings(report: dict) -> dict:
-    """Remove the wall-clock fields from the build report (in place) and return them."""
-    times = {k: report.pop(k) for k in ("wall_s", "forward_s", "load_s") if k in report}
+    """Remove the wall-clock fields (and how the rows were shared among ranks) from the build report,
+    in place, and return them: the report is a function of the input, the metrics of the run."""
+    times = {k: report.pop(k) for k in ("wall_s", "forward_s", "load_s", "rows_indexed_by_rank") if k in report}
     if isinstance(report.get("derive"), dict) and "wall_s" in report["derive"]:
         times["derive_wall_s"] = report["derive"].pop("wall_s")
     return times
@@ -31,23 +33,28 @@ def main(params):
     configure_threads(cfg.threads)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device("cpu")
-    barrier = share = None
+    barrier = share = gather = None
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if world > 1:
         import torch.distributed as dist
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.collective_timeout_s))
         barrier = dist.barrier
 
-        def share(value):  # rank 0's value on every rank (the job's lease run id)
+        def share(value):  # rank 0's value on every rank (the job's lease run id, the store snapshot)
             box = [value]
             dist.broadcast_object_list(box, src=0, device=device if backend == "nccl" else None)
             return box[0]
+
+        def gather(value):  # every rank's value, in rank order (the input index shares)
+            out = [None] * world
+            dist.all_gather_object(out, value)
+            return out
     try:
         report = build_cache(cfg, params.layers, Path("data/regen/train.jsonl"), Path("data/target"),
-                             rank, world, barrier, device, share=share)
+                             rank, world, barrier, device, share=share, gather=gather)
     except CacheFormatError as e:
         raise StageError(str(e)) from None
     finally:

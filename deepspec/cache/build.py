@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -133,18 +134,56 @@ def _encode_line(tokenizer, path, lineno: int, line: bytes, rules: EncodeRules) 
         raise CacheFormatError(f"{path}:{lineno}: {e}") from None
 
 
-def index_regen(tokenizer, path, rules: EncodeRules) -> RowIndex:
-    """One pass over the regen file: tokenise each row, keep its id, length, content key and byte
-    offset, drop the tokens."""
-    ids, lengths, offsets, lines, keys = array("Q"), array("q"), array("q"), array("q"), array("Q")
-    rows, dropped, offset, adjusted = 0, [], 0, collections.Counter()
+def line_ranges(path, world: int) -> list[tuple[int, int]]:
+    """`world` byte ranges of the file, each starting at a line: equal shares of its bytes."""
+    size = os.path.getsize(path)
+    starts = [0]
     with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            start, offset = offset, offset + len(line)
+        for k in range(1, world):
+            f.seek(max(k * size // world - 1, starts[-1]))
+            f.readline()  # to the end of the line the cut falls in (a cut at a line start stays there)
+            starts.append(max(f.tell(), starts[-1]))
+    return list(zip(starts, [*starts[1:], size]))
+
+
+@dataclass
+class IndexShare:
+    """One rank's RowIndex of its byte range: line numbers counted from the range's first line,
+    `lines_seen` lines in the range, and the first row that cannot be read (JSON, or a row that
+    breaks the format) as (relative line, message) instead of an exception, so every rank can
+    raise the same error once all shares are gathered."""
+    index: RowIndex
+    lines_seen: int
+    fatal: tuple[int, str] | None = None  # (line in the range, message)
+
+
+def index_share(tokenizer, path, rules: EncodeRules, start: int = 0, end: int | None = None) -> IndexShare:
+    """Tokenise each row of the byte range [start, end) of the regen file: keep its id, length, content
+    key and byte offset, drop the tokens."""
+    ids, lengths, offsets, lines, keys = array("Q"), array("q"), array("q"), array("q"), array("Q")
+    rows, dropped, adjusted, fatal, lineno = 0, [], collections.Counter(), None, 0
+    with open(path, "rb") as f:
+        f.seek(start)
+        offset = start
+        while end is None or offset < end:
+            line = f.readline()
+            if not line:
+                break
+            lineno += 1
+            here, offset = offset, offset + len(line)
             if not line.strip():
                 continue
             rows += 1
-            out = _encode_line(tokenizer, path, lineno, line, rules)
+            try:
+                row = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                fatal = (lineno, f"not valid JSON: {e}")
+                break
+            try:
+                out = encode_row(tokenizer, row, rules)
+            except CacheFormatError as e:
+                fatal = (lineno, str(e))
+                break
             if isinstance(out, dict):
                 dropped.append(out)
                 continue
@@ -152,11 +191,37 @@ def index_regen(tokenizer, path, rules: EncodeRules) -> RowIndex:
             ids.append(out.sample_id)
             keys.extend(out.key)
             lengths.append(len(out.input_ids))
-            offsets.append(start)
+            offsets.append(here)
             lines.append(lineno)
-    return RowIndex(str(path), rows, np.frombuffer(ids, np.uint64).copy(), np.frombuffer(lengths, np.int64).copy(),
-                    np.frombuffer(offsets, np.int64).copy(), np.frombuffer(lines, np.int64).copy(), dropped,
-                    np.frombuffer(keys, np.uint64).copy().reshape(-1, 2), dict(sorted(adjusted.items())))
+    index = RowIndex(str(path), rows, np.frombuffer(ids, np.uint64).copy(), np.frombuffer(lengths, np.int64).copy(),
+                     np.frombuffer(offsets, np.int64).copy(), np.frombuffer(lines, np.int64).copy(), dropped,
+                     np.frombuffer(keys, np.uint64).copy().reshape(-1, 2), dict(adjusted))
+    return IndexShare(index, lineno, fatal)
+
+
+def merge_shares(path, shares: list[IndexShare]) -> RowIndex:
+    """The RowIndex of the whole file from its ranges' shares, in file order: equal to indexing it in
+    one pass (line numbers made global); raises the first unreadable row's error, by its global line."""
+    base = 0
+    for sh in shares:
+        if sh.fatal is not None:
+            line, msg = sh.fatal
+            raise (JsonlError if msg.startswith("not valid JSON") else CacheFormatError)(f"{path}:{base + line}: {msg}")
+        base += sh.lines_seen
+    bases = np.cumsum([0] + [sh.lines_seen for sh in shares[:-1]])
+    adjusted = collections.Counter()
+    for sh in shares:
+        adjusted.update(sh.index.adjusted)
+    cat = lambda name, **kw: np.concatenate([getattr(sh.index, name) for sh in shares], **kw)  # noqa: E731
+    return RowIndex(str(path), sum(sh.index.rows for sh in shares), cat("sample_ids"), cat("lengths"), cat("offsets"),
+                    np.concatenate([sh.index.lines + b for sh, b in zip(shares, bases)]),
+                    [d for sh in shares for d in sh.index.dropped], cat("keys", axis=0),
+                    dict(sorted(adjusted.items())))
+
+
+def index_regen(tokenizer, path, rules: EncodeRules) -> RowIndex:
+    """The whole regen file's RowIndex, in one pass on this process."""
+    return merge_shares(path, [index_share(tokenizer, path, rules)])
 
 
 def load_samples(tokenizer, index: RowIndex, rows: np.ndarray, rules: EncodeRules) -> list[Sample]:
@@ -303,11 +368,12 @@ def load_target(target_dir: Path, device: torch.device, compute: dict | None = N
 
 def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir: Path,
                 rank: int = 0, world: int = 1, barrier=None, device: torch.device | None = None,
-                prune_stale: bool | None = None, share=None) -> dict:
+                prune_stale: bool | None = None, share=None, gather=None) -> dict:
     """Compute and write every missing part of the store for `cfg.url` (store.store_url: the path
     itself, or `<lake>/<store key>` on a remote URL); returns the stage report (rank 0's view,
     `report["url"]` is the store written). Multi-rank: `barrier()` synchronises the ranks and
-    `share(value)` returns rank 0's value on every rank (it passes the job's lease run id)."""
+    `share(value)` returns rank 0's value on every rank (it passes the job's lease run id) and
+    `gather(value)` every rank's value, in rank order, on every rank (the index shares)."""
     from deepspec.cache.derive import Derivation, prepare
 
     t0 = time.time()
@@ -331,8 +397,9 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
     manifest = cache_manifest(cfg, layers, ident, compute)
     url = store_url(cfg.url, manifest)
     remote = is_remote(cfg.url)
-    if world > 1 and share is None:
-        raise ValueError("a multi-rank build needs `share` to hand rank 0's run id to the other ranks")
+    if world > 1 and (share is None or gather is None):
+        raise ValueError("a multi-rank build needs `share` (rank 0's run id and store snapshot) and `gather` "
+                         "(every rank's share of the input index)")
     run_id = new_run_id() if rank == 0 else None
     if share is not None:
         run_id = share(run_id)
@@ -352,7 +419,7 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
         if writer is None:
             writer = CacheWriter(url, manifest, cfg.storage_options, rank=rank, run_id=run_id)
         report = _build(writer, cfg, layers, regen_path, ident, tokenizer, get_model, pad_id, device,
-                        rank, world, barrier, share, derivation.source)
+                        rank, world, barrier, share, gather, derivation.source)
         writer.release()
         derivation.finish()  # a local in-place derive: the new store takes the old one's place
     except BaseException:
@@ -379,22 +446,27 @@ class EmptyInput(CacheFormatError):
 
 
 def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path: Path, ident: dict, tokenizer,
-           get_model, pad_id: int, device: torch.device, rank: int, world: int, barrier, share,
+           get_model, pad_id: int, device: torch.device, rank: int, world: int, barrier, share, gather,
            source=None) -> dict:
     """Write every planned part the store lacks: taken from `source` (deepspec.cache.derive) when it
     holds a part of the same content, else computed with the target; then list exactly the planned
     parts."""
-    if rank == 0:  # rank 0 reads the input and the store once; every rank gets the same plan
-        index = index_regen(tokenizer, regen_path, EncodeRules.of(cfg))
-        plan = plan_store(index, part_tokens_for(cfg, ident["hidden_size"]))
-        have = writer.committed_parts()
-        todo = [(name, rows) for name, rows in plan if name not in have]
-        cached = int(sum(len(rows) for name, rows in plan if name in have))
+    # each rank tokenises an equal byte share of the input; the gathered shares are the index of the
+    # whole input on every rank, and the plan a pure function of it (no rank waits on work done for all)
+    rules = EncodeRules.of(cfg)
+    if world > 1:
+        start, end = line_ranges(regen_path, world)[rank]
+        shares = gather(index_share(tokenizer, regen_path, rules, start, end))
     else:
-        index = plan = todo = cached = None
+        shares = [index_share(tokenizer, regen_path, rules)]
+    index = merge_shares(regen_path, shares)  # every rank raises the same error for an unreadable row
+    plan = plan_store(index, part_tokens_for(cfg, ident["hidden_size"]))
+    have = writer.committed_parts() if rank == 0 else None
     if world > 1:
         # also the barrier: every rank plans from the same store snapshot, before any rank commits a part
-        index, plan, todo, cached = share((index, plan, todo, cached))
+        have = share(have)
+    todo = [(name, rows) for name, rows in plan if name not in have]
+    cached = int(sum(len(rows) for name, rows in plan if name in have))
     if not len(index.lengths):
         reasons = collections.Counter(d["reason"] for d in index.dropped)
         why = "it has no rows" if not index.rows else \
@@ -433,7 +505,7 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
         barrier()
     report = {"rows": index.rows, "samples": len(index.lengths), "dropped": index.dropped,
               "dropped_by_reason": dict(sorted(collections.Counter(d["reason"] for d in index.dropped).items())),
-              "adjusted": index.adjusted,
+              "adjusted": index.adjusted, "rows_indexed_by_rank": [sh.index.rows for sh in shares],
               "parts": len(plan), "parts_kept": len(plan) - len(todo), "samples_kept": cached,
               "forward_s": round(forward_s, 2), "parts_computed": computed}
     if rank == 0:

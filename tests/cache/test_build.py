@@ -33,8 +33,8 @@ def _load_model_alone(*a, **k):
 
 
 def build_ranks(work: Path, world: int, **cfg) -> list:
-    """`world` ranks of one job as threads: a barrier and rank 0's value handed over like torchrun's
-    broadcast. Returns each rank's report, or the exception it raised."""
+    """`world` ranks of one job as threads: a barrier, rank 0's value handed over like torchrun's
+    broadcast and every rank's like its all_gather. Returns each rank's report, or the exception it raised."""
     # transformers' lazy imports and from_pretrained (a global init context) are not thread-safe:
     # resolve the imports before the ranks start, and let them load the target one at a time
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
@@ -51,12 +51,22 @@ def build_ranks(work: Path, world: int, **cfg) -> list:
         barrier.wait()  # nobody overwrites the box before every rank has read it
         return value
 
+    slots = [None] * world
+
+    def gather(value, rank):
+        slots[rank] = value
+        barrier.wait()
+        out = list(slots)
+        barrier.wait()
+        return out
+
     def rank_main(rank):
         RANK.value = rank
         try:
             results[rank] = build_cache(CacheConfig(url=str(work / "data" / "cache.zarr"), **cfg), LAYERS,
                                         work / "data/regen/train.jsonl", work / "data/target", rank, world,
-                                        barrier.wait, share=lambda v: share(v, rank))
+                                        barrier.wait, share=lambda v: share(v, rank),
+                                        gather=lambda v: gather(v, rank))
         except BaseException as e:  # noqa: BLE001 - reported to the test
             results[rank] = e
             barrier.abort()  # a rank that died frees the others from waiting for it
@@ -148,6 +158,70 @@ def test_multi_rank_resume_equals_an_uninterrupted_multi_rank_build(tmp_path, tr
     assert all(not isinstance(r, BaseException) for r in build_ranks(crash, 2, part_tokens=150))
     assert array_hashes(crash_url) == array_hashes(clean_url)
     assert CacheReader(crash_url).manifest["parts"] == CacheReader(clean_url).manifest["parts"]
+
+
+def test_the_index_gathered_from_byte_shares_equals_one_pass(tmp_path, trained_target):
+    """Any number of ranks, each tokenising an equal byte share of the input (line-aligned), together
+    give the one-pass index: same rows, ids, keys, offsets, global line numbers, drops, in order."""
+    import pytest
+    from transformers import AutoTokenizer
+
+    from deepspec.cache.build import EncodeRules, index_regen, index_share, line_ranges, merge_shares
+    from deepspec.io import JsonlError
+
+    tok = AutoTokenizer.from_pretrained(trained_target)
+    rules = EncodeRules(max_length=64, overlong="drop")
+    path = tmp_path / "regen.jsonl"
+    rows = many_rows(1)
+    rows.insert(20, {"id": "00000000000000ff", "conversations": [  # over max_length: dropped
+        {"role": "user", "content": "Count."}, {"role": "assistant", "content": " ".join(["one two three"] * 40)}]})
+    lines = [json.dumps(r) for r in rows]
+    lines[5:5] = ["", "   "]  # blank lines count as lines, not rows
+    path.write_text("\n".join(lines) + "\n")
+    whole = index_regen(tok, path, rules)
+    assert whole.rows == len(rows) and whole.dropped  # the long conversation is dropped
+    for world in (2, 3, 5, len(lines) + 3):
+        ranges = line_ranges(path, world)
+        assert ranges[0][0] == 0 and ranges[-1][1] == path.stat().st_size
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        merged = merge_shares(path, [index_share(tok, path, rules, a, b) for a, b in ranges])
+        for field in ("sample_ids", "lengths", "offsets", "lines", "keys"):
+            assert np.array_equal(getattr(merged, field), getattr(whole, field)), (world, field)
+        assert (merged.rows, merged.dropped, merged.adjusted) == (whole.rows, whole.dropped, whole.adjusted)
+    # an unreadable row is named by its line in the file, whichever rank read it
+    lines[40] = "{not json"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(JsonlError) as one:
+        index_regen(tok, path, rules)
+    with pytest.raises(JsonlError) as many:
+        merge_shares(path, [index_share(tok, path, rules, a, b) for a, b in line_ranges(path, 4)])
+    assert str(one.value) == str(many.value) and str(one.value).startswith(f"{path}:41: not valid JSON")
+
+
+def test_each_rank_tokenises_only_its_share_of_the_input(tmp_path, trained_target, monkeypatch):
+    """Counted per rank: a rank encodes the rows of its byte share once (the index) and the rows of the
+    parts it computes once more (their tokens); no rank encodes the input for the others. The store
+    equals a one-rank build."""
+    one = workdir(tmp_path / "one", trained_target, many_rows(1))
+    build(one, part_tokens=150)
+    encode_row, calls = build_mod.encode_row, {}
+
+    def counting(*a, **k):
+        calls[RANK.value] = calls.get(RANK.value, 0) + 1
+        return encode_row(*a, **k)
+
+    monkeypatch.setattr(build_mod, "encode_row", counting)
+    two = workdir(tmp_path / "two", trained_target, many_rows(1))
+    results = build_ranks(two, 2, part_tokens=150)
+    assert all(not isinstance(r, BaseException) for r in results), results
+    indexed = results[0]["rows_indexed_by_rank"]
+    assert sum(indexed) == len(many_rows(1)) and min(indexed) >= len(many_rows(1)) // 3
+    reader = CacheReader(str(two / "data/cache.zarr"))
+    ranks = committed(str(two / "data/cache.zarr"))
+    for rank in (0, 1):
+        mine = sum(p["samples"] for p in reader.manifest["parts"] if ranks[p["name"]] == rank)
+        assert calls[rank] == indexed[rank] + mine, (rank, calls, indexed, mine)
+    assert array_hashes(str(two / "data/cache.zarr")) == array_hashes(str(one / "data/cache.zarr"))
 
 
 def test_build_holds_a_bounded_number_of_samples(tmp_path, trained_target, monkeypatch):

@@ -295,6 +295,10 @@ def test_torchrun_two_processes_equal_one_process(tmp_path, trained_target):
     assert ranks == {0, 1}
     assert array_hashes(str(one / "data/cache.zarr")) == array_hashes(str(two / "data/cache.zarr"))
     assert len(a) == len(b) == len(regen_rows())
+    # each process tokenised its own share of the input for the plan (gathered over gloo)
+    indexed = json.loads((two / "data/cache/metrics.json").read_text())["rows_indexed_by_rank"]
+    assert sum(indexed) == len(regen_rows()) and min(indexed) > 0
+    assert json.loads((one / "data/cache/metrics.json").read_text())["rows_indexed_by_rank"] == [len(regen_rows())]
 
 
 def test_cache_stage_writes_to_s3_and_never_overwrites_a_foreign_store(tmp_path, trained_target, moto):
