@@ -432,8 +432,10 @@ def train_accum_rss(args) -> None:
             first = None
             for a in accums:
                 run = root / f"run-{label}-{a}"
+                # the same micro-batches at every grad_accum (2 steps of the largest): only how they are
+                # grouped into steps differs, not how much of the cache is read
                 spec = {"cache": str(cache), "target": str(target), "root": str(run), "accum": a,
-                        "batch": args.train_batch, "steps": 2, "threads": args.threads}
+                        "batch": args.train_batch, "steps": 2 * max(accums) // a, "threads": args.threads}
                 env = dict(os.environ, PYTHONPATH=str(code), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
                 proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--train-accum-child",
                                        json.dumps(spec)], env=env, capture_output=True, text=True, cwd=tmp)
@@ -445,7 +447,7 @@ def train_accum_rss(args) -> None:
                 first = first if first is not None else above
                 rows.append([label, a, round(above, 1), f"{above / first:.2f}x", r["wall_s"]])
                 shutil.rmtree(run, ignore_errors=True)
-    table(f"train stage: peak RSS above baseline over 2 steps vs grad_accum (micro-batch {args.train_batch} x "
+    table(f"train stage: peak RSS above baseline over {2 * max(accums)} micro-batches vs grad_accum (micro-batch {args.train_batch} x "
           f"{args.train_tokens} tokens, H=2560, layers [-1])", ["code", "grad_accum", "above_MB", "vs first", "wall_s"],
           rows)
 
