@@ -23,7 +23,7 @@ from deepspec.loader.collate import collate
 from deepspec.loader.dataset import TargetCacheDataset
 from deepspec.loader.prefetch import Prefetcher
 from deepspec.loader.sampler import ResumableBatchSampler
-from deepspec.train.loss import sample_anchors
+from deepspec.models.objectives import sample_anchors
 from deepspec.train.run import new_draft
 
 

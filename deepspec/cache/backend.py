@@ -11,7 +11,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
@@ -445,30 +445,6 @@ def detect(url: str, storage_options: dict | None = None) -> str | None:
         if fs.exists(f"{root.rstrip('/')}/{marker}"):
             return kind
     return None
-
-
-def backend_class(kind: str) -> type[CacheStore]:
-    if kind == "zarr":
-        from deepspec.cache.zarr_store import ZarrStore
-
-        return ZarrStore
-    if kind == "hdf5":
-        from deepspec.cache.hdf5_store import HDF5Store
-
-        return HDF5Store
-    raise CacheFormatError(f"unknown cache storage {kind!r} (known: {list(STORAGES)})")
-
-
-def open_cache(url: str, storage_options: dict | None = None) -> CacheStore:
-    """The store at `url`, read-only, whichever backend wrote it."""
-    kind = detect(url, storage_options)
-    if kind is None:
-        raise CacheFormatError(f"{url}: not a cache store (no zarr.json or manifest.json)")
-    return backend_class(kind)(url, storage_options, writable=False)
-
-
-def open_for_write(url: str, kind: str, storage_options: dict | None = None) -> CacheStore:
-    return backend_class(kind)(url, storage_options, writable=True)
 
 
 def fletcher32_matches(body, stored: bytes) -> bool:

@@ -32,11 +32,11 @@ import torch
 
 from deepspec.cache.format import (FORMAT, FORMAT_VERSION, READ_VERSIONS, CacheFormatError, bytes_per_token, encode_hidden,
                                    hidden_name, part_arrays, part_name, scale_name)
-from deepspec.cache.backend import open_cache
 from deepspec.cache.lease import acquire
 from deepspec.cache.reader import CacheReader
 from deepspec.cache.store import (PartConflict, fsync_path, is_remote, list_stores, local_path, refused_as_existing,
                                   store_key, storage_options_for)
+from deepspec.cache.stores import open_cache
 from deepspec.cache.writer import CacheWriter, PartData, manifest_mismatch
 
 log = logging.getLogger(__name__)

@@ -217,3 +217,10 @@ def part_name(keys: np.ndarray, sample_ids: np.ndarray) -> str:
     h.update(keys.tobytes())
     h.update(ids.tobytes())
     return "p" + h.hexdigest()
+
+
+def index_name(rows) -> str:
+    """The content name of a consolidated index (§3.1): a hash of its rows (uint64 little-endian)."""
+    import hashlib
+
+    return hashlib.blake2b(np.ascontiguousarray(rows, dtype="<u8").tobytes(), digest_size=8).hexdigest()

@@ -26,8 +26,8 @@ from crc32c import crc32c
 
 from deepspec.cache.backend import (PART_NAME, ArrayLayout, ArraySpec, CacheStore, Manifest, PartEntry,
                                     fletcher32_matches)
-from deepspec.cache.format import BLOSC, FORMAT, INDEX_COLUMNS, CacheFormatError
-from deepspec.cache.store import (PartConflict, _durable_replace, fsync_path, local_path, refused_as_existing,
+from deepspec.cache.format import BLOSC, FORMAT, INDEX_COLUMNS, CacheFormatError, index_name
+from deepspec.cache.store import (PartConflict, durable_replace, fsync_path, local_path, refused_as_existing,
                                   storage_options_for)
 
 log = logging.getLogger(__name__)
@@ -226,8 +226,6 @@ class HDF5Store(CacheStore):
         a hash of the rows, and a file is never replaced: temp file, fsync, create-only link."""
         import h5py
 
-        from deepspec.cache.zarr_store import index_name
-
         rows = np.ascontiguousarray(rows, dtype="<u8").reshape(-1, len(INDEX_COLUMNS))
         name = index_name(rows)
         key = self.index_key(name)
@@ -279,7 +277,7 @@ class HDF5Store(CacheStore):
             return
         root = local_path(self.url)
         root.mkdir(parents=True, exist_ok=True)
-        _durable_replace(root / MANIFEST_NAME, data)
+        durable_replace(root / MANIFEST_NAME, data)
 
     # ---- listing, debris, damage -------------------------------------------------------------
     def refuse_foreign(self, keep: set[str]) -> None:

@@ -24,14 +24,15 @@ import os
 import numpy as np
 
 from deepspec.cache.backend import (ArrayLayout, CacheStore, Manifest, PartEntry, fletcher32_matches,
-                                    manifest_mismatch, open_cache, split_index)
+                                    manifest_mismatch, split_index)
 from deepspec.cache.checks import Batch, ChecksumError, NativeBatch, checker, first_bad, mismatch
 from deepspec.cache.format import CacheFormatError, hidden_name, sample_keys, scale_name
 from deepspec.cache.ranges import ByteRanges, preadv_all
+from deepspec.cache.stores import open_cache
+from deepspec.cache.zarr_layout import EMPTY
 
 from crc32c import crc32c as _crc32c
 
-EMPTY = 2**64 - 1  # shard index marker of a chunk that was never written
 
 # Bytes of chunks one checksum task checks: big enough that a task's overhead (a few us native; a
 # queue put and two GIL hand-overs on Python threads) is small next to its crc32c (~0.1 ms), small
@@ -40,35 +41,6 @@ EMPTY = 2**64 - 1  # shard index marker of a chunk that was never written
 CHECK_BYTES = 2 << 20
 
 
-ShardLayout = ArrayLayout  # the name verify and older callers use
-
-
-def _parse_layout(path: str, meta: dict) -> ArrayLayout | None:
-    """The shard layout the writer produces, or None if this array is anything else."""
-    codecs = meta.get("codecs") or []
-    if len(codecs) != 1 or codecs[0]["name"] != "sharding_indexed":
-        return None
-    cfg = codecs[0]["configuration"]
-    shard_shape, chunk = meta["chunk_grid"]["configuration"]["chunk_shape"], cfg["chunk_shape"]
-    if meta["shape"][0] > shard_shape[0] or list(chunk[1:]) != list(meta["shape"][1:]):
-        return None  # more than one shard, or chunked across columns
-    if cfg.get("index_location", "end") != "end":
-        return None
-    index_names = [c["name"] for c in cfg["index_codecs"]]
-    inner = [c["name"] for c in cfg["codecs"]]
-    if index_names != ["bytes", "crc32c"] or inner[0] != "bytes" or inner[-1] != "crc32c":
-        return None
-    if inner[1:-1] not in ([], ["blosc"]):
-        return None
-    endian = (cfg["codecs"][0].get("configuration") or {}).get("endian", "little")
-    dtype = np.dtype(meta["data_type"]).newbyteorder("<" if endian == "little" else ">")
-    sep = meta.get("chunk_key_encoding", {}).get("configuration", {}).get("separator", "/")
-    if meta.get("chunk_key_encoding", {}).get("name", "default") != "default":
-        return None
-    key = f"{path}/c" + sep + sep.join("0" for _ in meta["shape"])
-    return ArrayLayout(key=key, dtype=dtype, shape=tuple(meta["shape"]), chunk_rows=chunk[0],
-                       n_chunks=shard_shape[0] // chunk[0], blosc=len(inner) == 3,
-                       row_bytes=dtype.itemsize * int(np.prod(meta["shape"][1:], dtype=np.int64)))
 
 
 class ShardReader:
@@ -322,7 +294,7 @@ class ShardReader:
 
 class CacheReader:
     """Random access to samples across all committed parts of a store, in manifest order, whichever
-    backend holds it (backend.open_cache).
+    backend holds it (stores.open_cache).
 
     Picklable and fork-safe: the store is opened lazily in whichever process first reads.
     `check_threads` (set_check_threads): threads that check crc32c of local reads, 0 = in the

@@ -5,7 +5,7 @@ A reference cache is a local directory: `manifest.json`, `samples.idx` (56-byte 
 holds sample k) and raw `shard-NNNNN.bin` files with each sample's arrays back to back, hidden
 states token-major with the layers side by side ([T, L*H]). Both directions stream: import reads
 one sample at a time into a preallocated part and hands whole parts to `CacheWriter`; export reads
-one sample at a time through `TargetCacheDataset` and appends it to the current shard.
+one sample at a time (cache.samples) and appends it to the current shard.
 
 What the reference format cannot hold travels in files of our own that its reader ignores: this
 project's row ids in `deepspec_sample_ids.bin` (uint64 LE, one per record) and the target identity,
@@ -444,20 +444,25 @@ def export_reference(src: str, out_dir: str | Path, layers: list[int] | None = N
                      storage_options: dict | None = None) -> dict:
     """A store here -> a reference cache directory (bfloat16; an fp8 store is decoded). Layers are
     written in ascending order, as the reference requires."""
-    from deepspec.loader.dataset import TargetCacheDataset
+    from deepspec.cache.reader import CacheReader
+    from deepspec.cache.samples import read_samples
 
-    ds = TargetCacheDataset(src, layers=sorted(set(layers)) if layers else None, storage_options=storage_options)
-    m = ds.manifest
-    order = sorted(ds.layers)
-    perm = [ds.layers.index(i) for i in order]  # the store's order -> ascending
+    reader = CacheReader(src, storage_options)
+    m = reader.manifest
+    wanted = sorted(set(layers)) if layers else list(reader.layers)
+    missing = [i for i in wanted if i not in reader.layers]
+    if missing:
+        raise CacheFormatError(f"{src}: layers {missing} are not cached (cached layers: {reader.layers})")
+    order = sorted(wanted)
+    perm = [wanted.index(i) for i in order]  # the asked order -> ascending
     out = Path(out_dir)
     created = _prepare_out_dir(out)
     shards = _ShardWriter(out, shard_bytes)
-    H, tokens = ds.hidden_size, 0
+    H, tokens = int(m["hidden_size"]), 0
     try:
         with open(out / "samples.idx", "xb") as index, open(out / SAMPLE_IDS_FILE, "xb") as id_file:
-            for k in range(len(ds)):
-                item = ds[k]
+            for k in range(len(reader)):
+                item = read_samples(reader, [k], wanted)[0]
                 n = int(item["input_ids"].shape[0])
                 hidden = item["hidden"].transpose(0, 1)[:, perm].contiguous().view(torch.uint16).numpy()  # [T, L, H]
                 last = item["last_hidden"].contiguous().view(torch.uint16).numpy()
@@ -479,7 +484,7 @@ def export_reference(src: str, out_dir: str | Path, layers: list[int] | None = N
                 tokens += n
         shards.close()
         manifest = {
-            "version": REF_VERSION, "num_samples": len(ds), "num_shards": shards.shard + 1,
+            "version": REF_VERSION, "num_samples": len(reader), "num_shards": shards.shard + 1,
             "target_layer_ids": order, "hidden_dtype": "bfloat16", "token_dtype": "int32", "mask_dtype": "uint8",
             "index_record_size": RECORD.itemsize, "hidden_size": H,
             "shards": [{"shard_id": s, "file_name": shards.file_name(s)} for s in range(shards.shard + 1)],
@@ -496,7 +501,7 @@ def export_reference(src: str, out_dir: str | Path, layers: list[int] | None = N
         shards.close()
         _remove_partial(out, created, shards)
         raise
-    return {"dir": str(out), "samples": len(ds), "tokens": tokens, "shards": shards.shard + 1,
+    return {"dir": str(out), "samples": len(reader), "tokens": tokens, "shards": shards.shard + 1,
             "target_layer_ids": order, "hidden_dtype": "bfloat16", "source_dtype": m["dtype"],
             "target_model_name_or_path": manifest["target_model_name_or_path"]}
 

@@ -60,7 +60,7 @@ def fsync_tree(path: Path) -> None:
         fsync_path(d)
 
 
-def _durable_replace(path: Path, data) -> None:
+def durable_replace(path: Path, data) -> None:
     tmp = path.with_suffix(f".{uuid.uuid4().hex}.partial")  # zarr's own temp-file naming
     try:
         with open(tmp, "wb") as f:
@@ -87,7 +87,7 @@ class DurableLocalStore(LocalStore):
         if not self._is_open:
             await self._open()
         self._check_writable()
-        await asyncio.to_thread(_durable_replace, path, value.as_buffer_like())
+        await asyncio.to_thread(durable_replace, path, value.as_buffer_like())
 
 
 PART_KEY = re.compile(r"parts/[^/]+/.+")

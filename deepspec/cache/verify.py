@@ -1,14 +1,13 @@
 """`deepspec cache verify` and `deepspec cache info`: whole-store checks and a summary."""
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 from crc32c import crc32c
 
 from deepspec.cache.format import CacheFormatError, bytes_per_token, hidden_name, sample_keys, scale_name
-from deepspec.cache.reader import EMPTY, CacheReader, _parse_layout
+from deepspec.cache.reader import CacheReader
 
 
 def array_names(reader: CacheReader) -> list[str]:
@@ -18,37 +17,6 @@ def array_names(reader: CacheReader) -> list[str]:
         if reader.dtype != "bfloat16":
             names.append(scale_name(layer))
     return names
-
-
-def part_damage(root: str, part: str, arrays: list[str]) -> str | None:
-    """Why a committed part of a local store cannot be trusted, or None. Cheap (no chunk is read):
-    every array's metadata must parse, and its shard must end with an index whose crc32c holds and
-    whose chunks fill the file exactly up to it. A shard that lost its tail, or whose blocks read
-    back as zeros after a power loss, fails this; flipped bytes inside a chunk are `verify`'s job."""
-    for array in arrays:
-        where = f"parts/{part}/{array}"
-        try:
-            with open(os.path.join(root, where, "zarr.json"), "rb") as f:
-                layout = _parse_layout(where, json.loads(f.read()))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            return f"{where}/zarr.json unreadable ({e.__class__.__name__})"
-        if layout is None:
-            return f"{where}: not the single-shard layout the writer produces"
-        index_bytes = 16 * layout.n_chunks + 4
-        try:
-            with open(os.path.join(root, layout.key), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                tail = os.pread(f.fileno(), index_bytes, size - index_bytes) if size >= index_bytes else b""
-        except OSError as e:
-            return f"{layout.key}: unreadable ({e.__class__.__name__})"
-        if len(tail) != index_bytes or crc32c(tail[:-4]) != int.from_bytes(tail[-4:], "little"):
-            return f"{layout.key}: shard index missing or corrupt ({size} bytes)"
-        index = np.frombuffer(tail[:-4], dtype="<u8").reshape(-1, 2)
-        ends = index[:, 0] + index[:, 1]
-        if (index[:, 0] == EMPTY).any() or index[0, 0] != 0 or (index[1:, 0] != ends[:-1]).any() \
-                or int(ends[-1]) != size - index_bytes:
-            return f"{layout.key}: chunks do not fill the shard ({size} bytes)"
-    return None
 
 
 def verify(url: str, storage_options: dict | None = None) -> dict:

@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from deepspec.cache.backend import (PART_NAME, ArraySpec, CacheStore, Manifest, PartEntry, PartRows, backend_class, detect,
-                                    entry_of, index_rows, manifest_mismatch, open_for_write, split_index)
+from deepspec.cache.backend import (PART_NAME, ArraySpec, CacheStore, Manifest, PartEntry, PartRows, detect, entry_of,
+                                    index_rows, manifest_mismatch, split_index)
 from deepspec.cache.format import (INDEX_COLUMNS, CacheFormatError, encode_hidden, hidden_name,
                                    key_to_str, part_arrays, part_name, sample_keys, scale_name)
 from deepspec.cache.lease import DEFAULT_TTL_S, LEASE_NAME, acquire, join
 from deepspec.cache.store import is_remote
+from deepspec.cache.stores import backend_class, open_for_write
 
 log = logging.getLogger(__name__)
 

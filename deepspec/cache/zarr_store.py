@@ -12,9 +12,10 @@ import zarr
 from crc32c import crc32c
 
 from deepspec.cache.backend import PART_NAME, ArrayLayout, ArraySpec, CacheStore, Manifest, PartEntry
-from deepspec.cache.format import BLOSC, FORMAT, INDEX_COLUMNS, CacheFormatError, inner_codecs
+from deepspec.cache.format import BLOSC, FORMAT, INDEX_COLUMNS, CacheFormatError, index_name, inner_codecs
 from deepspec.cache.store import (PartConflict, fsync_path, fsync_tree, local_path, open_root, open_store,
                                   refused_as_existing, storage_options_for)
+from deepspec.cache.zarr_layout import parse_layout, part_damage
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +109,6 @@ def encode_shard(data: np.ndarray, chunk_rows: int, codec: str) -> bytes:
     shard.append(data)
     shard.finish()
     return buf.getvalue()
-
-
-def index_name(rows: np.ndarray) -> str:
-    import hashlib
-
-    return hashlib.blake2b(np.ascontiguousarray(rows, dtype="<u8").tobytes(), digest_size=8).hexdigest()
 
 
 class ZarrStore(CacheStore):
@@ -281,8 +276,6 @@ class ZarrStore(CacheStore):
         return dict(sorted(self._part_marks().items()))
 
     def part_damage(self, name: str, arrays: list[str]) -> str | None:
-        from deepspec.cache.verify import part_damage
-
         return part_damage(str(local_path(self.url)), name, arrays)
 
     def _delete(self, path: str) -> None:
@@ -425,14 +418,12 @@ class ZarrStore(CacheStore):
 
     # ---- reading -----------------------------------------------------------------------------
     def layout(self, part: PartEntry, array: str) -> ArrayLayout | None:
-        from deepspec.cache.reader import _parse_layout
-
         path = f"parts/{part.name}/{array}"
         try:
             meta = self.root[path].metadata.to_dict()
         except KeyError:
             raise CacheFormatError(f"{self.url}: array {path} is missing") from None
-        return _parse_layout(path, meta)
+        return parse_layout(path, meta)
 
     def read_slow(self, part: PartEntry, array: str, start: int, stop: int) -> np.ndarray:
         try:

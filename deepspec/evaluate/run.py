@@ -86,13 +86,13 @@ def auroc(score: np.ndarray, label: np.ndarray) -> float | None:
 def load_models(target_dir: Path, draft_dir: Path, device: torch.device):
     from transformers import AutoTokenizer
 
-    from deepspec.models.draft import DraftModel
+    from deepspec.models.registry import load_draft
     from deepspec.models.target import compute_settings, load_causal_lm
 
     compute = compute_settings(target_dir, device)
     tok = AutoTokenizer.from_pretrained(target_dir)
     target = load_causal_lm(target_dir, device, compute)
-    draft = DraftModel.load(draft_dir, device).to(getattr(torch, compute["dtype"]))
+    draft = load_draft(draft_dir, device).to(getattr(torch, compute["dtype"]))
     eos = target.generation_config.eos_token_id
     stop = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tok.eos_token_id is not None:

@@ -17,6 +17,7 @@ from deepspec.export.sglang import SglangEagle3
 from deepspec.export.speculators import Speculators
 from deepspec.io import write_json
 from deepspec.models.draft import DraftModel
+from deepspec.models.registry import load_draft
 
 FORMATS = {f.name: f for f in (Speculators(), DFlash(), SglangEagle3())}
 
@@ -74,7 +75,7 @@ def export_draft(draft_dir: Path, out: Path, formats: list[str], target_dir: Pat
         if taken:
             raise ExportError(f"{taken[0]}: already exists (pass --overwrite to replace it)")
     try:
-        draft = DraftModel.load(draft_dir)
+        draft = load_draft(draft_dir)
     except (OSError, ValueError, TypeError) as e:
         raise ExportError(f"{draft_dir}: not a deepspec draft: {e}") from None
     target = target_ref(target_dir, verifier)

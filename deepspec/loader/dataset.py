@@ -17,13 +17,11 @@ whole batch to `__getitems__`: on S3 the byte ranges of all its arrays are then 
 from __future__ import annotations
 
 import numpy as np
-import torch
 from torch.utils.data import Dataset
 
-from deepspec.cache.format import CacheFormatError, decode_hidden, hidden_name, scale_name
+from deepspec.cache.format import CacheFormatError
 from deepspec.cache.reader import CacheReader
-
-FIELDS = ("input_ids", "loss_mask", "hidden", "last_hidden")
+from deepspec.cache.samples import FIELDS, read_samples
 
 
 class TargetCacheDataset(Dataset):
@@ -65,40 +63,5 @@ class TargetCacheDataset(Dataset):
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: list[int]) -> list[dict]:
-        """Samples `indices` (a DataLoader hands a batch sampler's whole batch here). On a remote store
-        the byte ranges of all of them are fetched together, `read_ahead` requests in flight; every
-        array's checks are settled before any item is handed out."""
-        r, H = self.reader, self.hidden_size
-        items, requests, finish = [], [], []
-        for index in indices:
-            part, start, stop = r.locate(index)
-            item: dict = {"sample_id": int(r.sample_id(index))}
-            for f in ("input_ids", "loss_mask"):
-                if f in self.fields:
-                    finish.append((item, f, len(requests)))
-                    requests.append((part, f, start, stop, None))
-            for field, layers in (("hidden", self.layers), ("last_hidden", ["last"])):
-                if field not in self.fields:
-                    continue
-                if self.dtype == "bfloat16":  # each layer read straight into its slab of the item's tensor
-                    buf = np.empty((len(layers), stop - start, H), dtype=np.uint16)
-                    requests += [(part, hidden_name(layer), start, stop, buf[k]) for k, layer in enumerate(layers)]
-                    t = torch.from_numpy(buf).view(torch.bfloat16)
-                    item[field] = t if field == "hidden" else t[0]
-                else:
-                    finish.append((item, field, len(requests)))
-                    for layer in layers:
-                        requests += [(part, hidden_name(layer), start, stop, None), (part, scale_name(layer), start, stop, None)]
-            items.append(item)
-        with r.checked():
-            values = r.read_arrays(requests)
-        for item, field, at in finish:
-            if field in ("input_ids", "loss_mask"):
-                item[field] = torch.from_numpy(values[at])
-                continue
-            n = len(self.layers) if field == "hidden" else 1
-            out = torch.empty((n, len(values[at]), H), dtype=torch.bfloat16)
-            for k in range(n):
-                decode_hidden(values[at + 2 * k], values[at + 2 * k + 1], self.dtype, out=out[k])
-            item[field] = out if field == "hidden" else out[0]
-        return [{k: item[k] for k in ("sample_id", *FIELDS) if k in item} for item in items]
+        """Samples `indices` (a DataLoader hands a batch sampler's whole batch here): cache.samples."""
+        return read_samples(self.reader, indices, self.layers, self.fields)

@@ -33,6 +33,8 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3Attention, Qwen3MLP, Qwen3RMSNorm,
                                                       Qwen3RotaryEmbedding, apply_rotary_pos_emb, rotate_half)
 
+from deepspec.models.objectives import draft_loss, slot_weights
+
 DRAFT_FORMAT_VERSION = 1
 
 
@@ -267,14 +269,10 @@ class DraftModel(nn.Module):
     def forward(self, batch: dict, anchors, ce_w: float, l1_w: float, conf_w: float, decay_gamma: float,
                 norm: float | None = None):
         """Training forward (the loss): DDP needs the loss computed inside forward()."""
-        from deepspec.train.loss import draft_loss
-
         return draft_loss(self, batch, anchors, ce_w, l1_w, conf_w, decay_gamma, norm)
 
     def loss_weights(self, batch: dict, anchors, decay_gamma: float) -> torch.Tensor:
         """The loss weight of every draft of the batch (the trainer normalises by their global sum)."""
-        from deepspec.train.loss import slot_weights
-
         return slot_weights(batch, anchors, self.config.num_drafts, decay_gamma)
 
     # ---- save / load -----------------------------------------------------------------------------
@@ -283,25 +281,29 @@ class DraftModel(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu") -> "DraftModel":
-        """Any deepspec draft directory; an EAGLE-3 draft loads as an Eagle3Model."""
-        from safetensors.torch import load_file
+        """A DSpark or DFlash draft directory (any algorithm's: models.registry.load_draft)."""
+        config = read_draft_config(path)
+        if config.algorithm not in ("dspark", "dflash"):
+            raise ValueError(f"{path}: a {config.algorithm} draft (load it with models.registry.load_draft)")
+        return load_weights(cls(config), path).to(device)
 
-        path = Path(path)
-        config = DraftConfig(**json.loads((path / "config.json").read_text()))
-        if config.algorithm == "eagle3":
-            from deepspec.models.eagle3 import Eagle3Model
 
-            model = Eagle3Model(config)
-        else:
-            model = DraftModel(config)
-        state = load_file(str(path / "model.safetensors"), device="cpu")
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.startswith("rotary.")]
-        if missing or unexpected:
-            raise ValueError(f"{path}: draft weights do not match its config (missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]})")
-        model.freeze_embeddings()
-        return model.to(device)
+def read_draft_config(path: str | Path) -> DraftConfig:
+    return DraftConfig(**json.loads((Path(path) / "config.json").read_text()))
+
+
+def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
+    """`model.safetensors` of a draft directory into a model built from its config; frozen embeddings."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(path) / "model.safetensors"), device="cpu")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith("rotary.")]
+    if missing or unexpected:
+        raise ValueError(f"{path}: draft weights do not match its config (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]})")
+    model.freeze_embeddings()
+    return model
 
 
 def save_draft(model: nn.Module, out_dir: str | Path) -> None:

@@ -30,6 +30,9 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
                                                       apply_rotary_pos_emb)
 
+from deepspec.models.draft import save_draft
+from deepspec.models.objectives import LossOutput
+
 EAGLE3_AUX_LAYERS = 3  # sglang fixes the fused input at 3 x target hidden
 
 
@@ -188,8 +191,6 @@ class Eagle3Model(nn.Module):
         return eagle3_weights(batch, self.config.ttt_steps, decay_gamma)
 
     def save(self, out_dir) -> None:
-        from deepspec.models.draft import save_draft
-
         save_draft(self, out_dir)
 
 
@@ -256,8 +257,6 @@ def eagle3_loss(model: Eagle3Model, batch: dict, ce_w: float, l1_w: float, decay
     """The DSpark loss terms per (row, step): ce_w * CE(data token) + l1_w * |p_draft - p_target|_1, with
     p_draft over the draft vocabulary placed in the target's (zero elsewhere; a data token outside the
     draft vocabulary has no CE term), so alpha = 1 - L1/2 is the sampled acceptance probability."""
-    from deepspec.train.loss import LossOutput
-
     K = model.config.ttt_steps
     ids = batch["input_ids"]
     B, T = ids.shape

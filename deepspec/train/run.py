@@ -14,6 +14,7 @@ from deepspec.config import ConfigError, TrainConfig, to_dict
 from deepspec.io import fingerprint
 from deepspec.loader.dataset import TargetCacheDataset
 from deepspec.models.draft import DraftConfig, DraftModel
+from deepspec.models.registry import ALGORITHMS
 from deepspec.models.target import embedding_weights, load_identity, target_embeddings
 from deepspec.train.callbacks import DvcLiveMetrics, JsonMetrics, ProgressBar
 from deepspec.train.trainer import Trainer
@@ -104,18 +105,16 @@ def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path, vocab_count
                                        sample_from_anchor=sample_from_anchor(cfg), ttt_steps=cfg.ttt_steps,
                                        draft_vocab_size=cfg.draft_vocab_size, embed_scale=embed_scale)
     torch.manual_seed(cfg.seed)
+    try:
+        model = ALGORITHMS[cfg.algorithm](draft_cfg)
+    except ValueError as e:
+        raise ConfigError(f"train: {e}") from None
     if eagle:
-        from deepspec.models.eagle3 import Eagle3Model, vocab_map
+        from deepspec.models.eagle3 import vocab_map
 
-        try:
-            model = Eagle3Model(draft_cfg)
-        except ValueError as e:
-            raise ConfigError(f"train: {e}") from None
         if vocab_counts is None:
             raise ValueError("an EAGLE-3 draft needs the cache's loss-token counts for its draft vocabulary")
         model.set_vocab(*vocab_map(vocab_counts, draft_cfg.draft_vocab_size, draft_cfg.vocab_size))
-    else:
-        model = DraftModel(draft_cfg)
     if embed is None:  # copied slice by slice into the draft's own frozen rows
         where.read_into(model.embed_tokens.weight, model.lm_head.weight)
         model.freeze_embeddings()

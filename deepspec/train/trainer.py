@@ -31,7 +31,7 @@ from deepspec.loader.sampler import ResumableBatchSampler
 from deepspec.train.checkpoint import (CheckpointError, check_model_state, check_optimizer_state, checkpoint_step,
                                        load_optimizer_tensors, optimizer_tensors, read_checkpoint, save_checkpoint,
                                        set_aside_stale, steps_beyond, valid_checkpoints)
-from deepspec.train.loss import anchor_generator, anchor_key, sample_anchors
+from deepspec.models.objectives import anchor_generator, anchor_key, sample_anchors
 from deepspec.train.schedule import lr_factor
 
 log = logging.getLogger(__name__)

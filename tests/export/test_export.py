@@ -19,7 +19,7 @@ from deepspec.evaluate.specdec import SpecDecoder, Warp
 from deepspec.export import ExportError, export_draft, layer_ids, verifier_reference
 from deepspec.models.capture import capture_layers
 from deepspec.models.draft import DraftConfig, DraftModel
-from deepspec.train.loss import Anchors, block_mask
+from deepspec.models.objectives import Anchors, block_mask
 from deepspec.train.run import run_training
 from tests.conftest import REPO, SAMPLE_CONVERSATIONS, make_model_dir, project_env
 

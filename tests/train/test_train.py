@@ -18,8 +18,9 @@ from deepspec.config import TrainConfig
 from deepspec.loader.collate import collate
 from deepspec.loader.dataset import TargetCacheDataset
 from deepspec.models.draft import DraftModel
+from deepspec.models.registry import load_draft
 from deepspec.train.checkpoint import list_checkpoints
-from deepspec.train.loss import block_mask
+from deepspec.models.objectives import block_mask
 from deepspec.train.run import run_training
 from deepspec.train.schedule import lr_factor
 from tests.conftest import REPO, project_env
@@ -153,7 +154,7 @@ def test_a_reserved_special_token_is_preferred_and_the_cache_is_scanned_once(tmp
 
 def test_dflash_layout_trains_gamma_minus_one_drafts(tmp_path, small_cache, trained_target):
     """sample_from_anchor false: slot 0's output is unused, slot k predicts the token at a+k."""
-    from deepspec.train.loss import draft_loss, sample_anchors
+    from deepspec.models.objectives import draft_loss, sample_anchors
 
     train(tmp_path, small_cache, trained_target, algorithm="dflash", block_size=4, steps=20)
     draft = DraftModel.load(tmp_path / "draft")
@@ -321,7 +322,7 @@ def test_eagle3_trains_from_the_same_cache_with_a_reduced_vocabulary(tmp_path, s
                        batch_size=8, steps=30)
     curve = losses(tmp_path)
     assert sum(curve[-5:]) / 5 < 0.8 * sum(curve[:3]) / 3
-    draft = DraftModel.load(tmp_path / "draft")
+    draft = load_draft(tmp_path / "draft")
     assert isinstance(draft, Eagle3Model) and draft.config.target_layers == [-1, 0, 2]
     assert draft.config.block_size == draft.config.num_drafts == 3 and draft.config.draft_vocab_size == 64
     assert draft.layers[0].self_attn.q_proj.weight.shape[1] == 2 * draft.config.hidden_size       # [emb ; hidden]

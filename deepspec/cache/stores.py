@@ -1,0 +1,30 @@
+"""The store implementations by kind: the one place that knows both (a writer or reader names a
+kind, or finds it with backend.detect, and gets its class here)."""
+from __future__ import annotations
+
+from deepspec.cache.backend import STORAGES, CacheStore, detect
+from deepspec.cache.format import CacheFormatError
+from deepspec.cache.hdf5_store import HDF5Store
+from deepspec.cache.zarr_store import ZarrStore
+
+BACKENDS: dict[str, type[CacheStore]] = {"zarr": ZarrStore, "hdf5": HDF5Store}
+assert set(BACKENDS) == set(STORAGES)
+
+
+def backend_class(kind: str) -> type[CacheStore]:
+    try:
+        return BACKENDS[kind]
+    except KeyError:
+        raise CacheFormatError(f"unknown cache storage {kind!r} (known: {list(STORAGES)})") from None
+
+
+def open_cache(url: str, storage_options: dict | None = None) -> CacheStore:
+    """The store at `url`, read-only, whichever backend wrote it."""
+    kind = detect(url, storage_options)
+    if kind is None:
+        raise CacheFormatError(f"{url}: not a cache store (no zarr.json or manifest.json)")
+    return backend_class(kind)(url, storage_options, writable=False)
+
+
+def open_for_write(url: str, kind: str, storage_options: dict | None = None) -> CacheStore:
+    return backend_class(kind)(url, storage_options, writable=True)
