@@ -231,7 +231,7 @@ def test_cuda_rng_state_survives_a_checkpoint_round_trip():
 
 
 def test_anchor_streams_are_distinct_for_every_step_micro_batch_and_rank():
-    from deepspec.train.loss import anchor_generator, anchor_key
+    from deepspec.models.objectives import anchor_generator, anchor_key
 
     for steps, micro, ranks in ((64, 1024, 4), (1024, 16, 16), (16, 16, 1024)):
         keys = {anchor_key(7, s, m, r) for s in range(steps) for m in range(micro) for r in range(ranks)}
