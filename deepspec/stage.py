@@ -8,6 +8,7 @@ import sys
 from typing import Callable
 
 from deepspec.config import ConfigError, Params, load_params
+from deepspec.progress import quiet_library_bars
 
 
 class StageError(RuntimeError):
@@ -26,6 +27,7 @@ def run_stage(main: Callable[[Params], object], params_path: str = "params.yaml"
     os.environ.setdefault("DVC_NO_ANALYTICS", "1")
     logging.basicConfig(level=os.environ.get("DEEPSPEC_LOG", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    quiet_library_bars()  # a log file gets deepspec's own progress lines, not redraws (deepspec.progress)
     try:
         main(load_params(params_path))
     except (ConfigError, StageError) as e:

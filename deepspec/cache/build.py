@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from deepspec.cache.format import (CacheFormatError, bytes_per_token, encode_hidden, part_name, sample_id_to_int,
                                    sample_key)
@@ -37,6 +36,7 @@ from deepspec.data.template import TemplateError, encode_conversation
 from deepspec.io import JsonlError
 from deepspec.models.capture import forward_capture
 from deepspec.models.target import check_layers, compute_settings, load_causal_lm, load_identity
+from deepspec.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -479,7 +479,7 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
              len(todo), len(mine))
 
     forward_s, computed = 0.0, 0
-    bar = tqdm(total=int(sum(index.lengths[rows].sum() for _, rows in mine)), unit="tok", desc=f"cache[{rank}]",
+    bar = progress(total=int(sum(index.lengths[rows].sum() for _, rows in mine)), unit="tok", desc=f"cache[{rank}]",
                dynamic_ncols=True, disable=rank != 0 and world > 1)
     try:
         for name, samples in part_samples(tokenizer, index, mine, EncodeRules.of(cfg)):

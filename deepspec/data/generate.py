@@ -21,11 +21,11 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from deepspec.config import RegenConfig, SamplingConfig
 from deepspec.data.regen import request_seed
 from deepspec.io import hash_unit
+from deepspec.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ def run_local(rows: Iterable[dict], model_dir: Path, cfg: RegenConfig, sampling:
     if todo:
         gen = LocalGenerator(model_dir, cfg, sampling, eos_token_id)
         log.info("regen: %d rows, %d to generate (in their whole batches)", total, todo)
-        bar = tqdm(total=total, initial=total - todo, unit="sample", desc="regen", dynamic_ncols=True)
+        bar = progress(total=total, initial=total - todo, unit="sample", desc="regen")
         for batch in iter_batches(rows, cfg.concurrency):
             missing = sum(r["id"] not in journal.done for r in batch)
             if not missing:

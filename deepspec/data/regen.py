@@ -24,11 +24,11 @@ from typing import Callable
 
 import numpy as np
 import requests
-from tqdm import tqdm
 
 from deepspec.config import RegenConfig, SamplingConfig, to_dict
 from deepspec.data.template import encode_prompt
 from deepspec.io import atomic_open, fingerprint, hash_unit, read_jsonl, write_json
+from deepspec.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -514,7 +514,7 @@ def run_regen(rows: Iterable[dict], endpoints: list[Endpoint], cfg: RegenConfig,
                for i, ep in enumerate(endpoints) for k in range(cfg.concurrency)]
     errors: list[dict] = []
     t0, gen_tokens = time.time(), 0
-    bar = tqdm(total=total, initial=total - todo, unit="sample", desc="regen", dynamic_ncols=True)
+    bar = progress(total=total, initial=total - todo, unit="sample", desc="regen")
     for th in threads:
         th.start()
     try:

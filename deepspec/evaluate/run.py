@@ -27,12 +27,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from deepspec.config import EvalConfig, SamplingConfig
 from deepspec.data.template import encode_prompt
 from deepspec.evaluate.specdec import FILTER_ORDER, Result, SpecDecoder, Warp
 from deepspec.evaluate.suites import PromptError
+from deepspec.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ def evaluate(target_dir: Path, draft_dir: Path, suites: dict[str, list[dict]], c
     report, all_rows = {"protocol": sess.protocol(), "suites": {}}, []
     for name, prompts in suites.items():
         rows = []
-        for i, p in enumerate(tqdm(prompts, desc=f"eval {name}", unit="prompt", dynamic_ncols=True)):
+        for i, p in enumerate(progress(prompts, desc=f"eval {name}", unit="prompt")):
             rows.extend(sess.ask(p, seed=sampling.seed + i))
         if not rows:
             raise PromptError(f"suite {name}: no prompts")

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from deepspec.config import TinyTargetConfig
 from deepspec.data.split import prompt_key
@@ -25,6 +24,7 @@ from deepspec.data.template import encode_conversation
 from deepspec.io import hash_unit
 from deepspec.models.muon import Muon
 from deepspec.models.target import default_generation_config
+from deepspec.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ def train_tiny(cfg: TinyTargetConfig, rows: list[dict], seed: int, out_dir: Path
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(train_data.ids.size(0), generator=gen)
     cursor, tokens_seen, loss_ema = 0, 0, None
-    bar = tqdm(range(cfg.steps), desc="target", unit="step", dynamic_ncols=True)
+    bar = progress(range(cfg.steps), desc="target", unit="step")
     t_train = time.time()
     for step in bar:
         if cursor + cfg.batch_size > order.numel():

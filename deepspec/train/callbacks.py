@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tqdm import tqdm
+from deepspec.progress import progress
 
 
 TIMINGS = frozenset({"wall_s"})  # final metrics that depend on the machine, kept to metrics.json
@@ -19,7 +19,7 @@ class Callback:
 
 class ProgressBar(Callback):
     def on_train_begin(self, trainer) -> None:
-        self.bar = tqdm(total=trainer.cfg.steps, initial=trainer.state.step, desc="train", unit="step",
+        self.bar = progress(total=trainer.cfg.steps, initial=trainer.state.step, desc="train", unit="step",
                         dynamic_ncols=True, disable=trainer.rank != 0)
         self.t0, self.tokens0 = time.time(), trainer.state.tokens
 
