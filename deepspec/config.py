@@ -39,6 +39,9 @@ class SplitConfig:
     max_reject_fraction: float = _f(0.5, ge=0.0, le=1.0)
     # a conversation that opens with an assistant turn: drop that turn, or reject the row
     leading_assistant: Literal["drop_turn", "reject"] = "drop_turn"
+    # a source file that ends part-way (a download that stopped): fail, or keep the whole rows before
+    # the cut (the report says where it was cut)
+    truncated_source: Literal["fail", "keep"] = "fail"
 
 
 @dataclass

@@ -6,7 +6,7 @@ instead of a dict, so the split can count it with its line number rather than st
 """
 from __future__ import annotations
 
-import gzip
+import io
 import json
 import zlib
 from dataclasses import dataclass
@@ -20,6 +20,12 @@ class SourceError(RuntimeError):
     """The source as a whole is unusable (missing, unreadable): nothing is written."""
 
 
+class TruncatedSource(SourceError):
+    """The file ends part-way (a download that stopped): every row yielded before it was whole."""
+
+    KEEP_HINT = "; nothing was read from this source (split.truncated_source: keep keeps the rows before the cut)"
+
+
 @dataclass
 class RawRow:
     where: str                      # "file.jsonl:12", "builtin:chat#7", "hf:org/name[train]#3"
@@ -28,26 +34,76 @@ class RawRow:
     detail: str = ""
 
 
+class _Gunzip(io.RawIOBase):
+    """A gzip file's decompressed bytes. A stream that ends early ends as a plain EOF after everything
+    it decompressed, with `truncated` set (gzip.open raises instead, dropping the block it was
+    decompressing: the rows before a cut would be lost)."""
+
+    def __init__(self, path: Path):
+        self.raw = open(path, "rb")
+        self.z = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        self.pending, self.started, self.truncated = b"", False, False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, out) -> int:
+        while not self.pending:
+            block = self.raw.read(1 << 16)
+            if not block:
+                self.truncated = self.started and not self.z.eof
+                return 0
+            self.started = True
+            try:
+                self.pending = self.z.decompress(block)
+            except zlib.error as e:
+                raise SourceError(f"{self.raw.name}: damaged gzip data near compressed byte {self.raw.tell()}: {e}") \
+                    from None
+            while self.z.eof and self.z.unused_data:  # the next member of a multi-member file
+                rest, self.z = self.z.unused_data, zlib.decompressobj(16 + zlib.MAX_WBITS)
+                self.pending += self.z.decompress(rest)
+        n = min(len(out), len(self.pending))
+        out[:n], self.pending = self.pending[:n], self.pending[n:]
+        return n
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
 def _open(path: Path, text: bool):
     """The file, decompressed on the fly when its name ends in .gz."""
     try:
         if path.suffix == ".gz":
-            return gzip.open(path, "rt" if text else "rb", **({"encoding": "utf-8"} if text else {}))
+            stream = io.BufferedReader(_Gunzip(path))
+            return io.TextIOWrapper(stream, encoding="utf-8") if text else stream
         return open(path, **({"encoding": "utf-8"} if text else {"mode": "rb"}))
     except OSError as e:
         raise SourceError(f"{path}: cannot read source file: {e.strerror}") from None
 
 
+def _cut_short(f) -> bool:
+    """The compressed stream behind `f` ended before its end marker."""
+    raw = getattr(getattr(f, "buffer", f), "raw", None)
+    return bool(getattr(raw, "truncated", False))
+
+
 def _lines(f, path: Path) -> Iterator[tuple[int, bytes]]:
-    """(line number, line); a compressed stream that ends early or is damaged is a SourceError that
-    says after which line (every line before it was complete)."""
-    lineno = 0
-    try:
-        for lineno, raw in enumerate(f, 1):
-            yield lineno, raw
-    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
-        raise SourceError(f"{path}: the compressed file is truncated or damaged after line {lineno} ({e}); "
-                          "nothing was read from this source") from None
+    """(line number, line). A compressed stream that ends early: every whole line, then a
+    TruncatedSource naming the last one (a last line the cut left without its newline is not one)."""
+    lineno, last = 0, None
+    for lineno, raw in enumerate(f, 1):
+        if last is not None:
+            yield last
+        last = (lineno, raw)
+    if _cut_short(f):
+        if last is not None and last[1].endswith(b"\n"):
+            yield last
+        whole = lineno if last is not None and last[1].endswith(b"\n") else lineno - 1
+        raise TruncatedSource(f"{path}: the compressed file is truncated after line {whole}"
+                              + TruncatedSource.KEEP_HINT)
+    if last is not None:
+        yield last
 
 
 def _jsonl_rows(path: Path) -> Iterator[RawRow]:
@@ -88,9 +144,6 @@ def _json_array_rows(path: Path, chunk_chars: int = 1 << 20) -> Iterator[RawRow]
                 data = f.read(chunk_chars)
             except UnicodeDecodeError as e:
                 raise SourceError(f"{path}: not UTF-8 near byte {base + len(buf[:pos].encode())}: {e.reason}") from None
-            except (EOFError, gzip.BadGzipFile, zlib.error) as e:
-                raise SourceError(f"{path}: the compressed file is truncated or damaged after (decompressed) byte "
-                                  f"{base + len(buf.encode())} ({e}); nothing was read from this source") from None
             base += len(buf[:pos].encode())
             buf, pos = buf[pos:] + data, 0
             eof = not data
@@ -126,8 +179,8 @@ def _json_array_rows(path: Path, chunk_chars: int = 1 << 20) -> Iterator[RawRow]
                 except json.JSONDecodeError as e:
                     if more():
                         continue
-                    raise SourceError(f"{path}: element {index + 1} at byte {start}: the JSON array is "
-                                      f"truncated or malformed ({e.msg}); nothing was read from this source") from None
+                    raise TruncatedSource(f"{path}: element {index + 1} at byte {start}: the JSON array is "
+                                          f"truncated or malformed ({e.msg})" + TruncatedSource.KEEP_HINT) from None
                 # a number or literal at the end of the buffer may continue in the next chunk
                 if end == len(buf) and not eof and not isinstance(obj, (dict, list, str)):
                     more()
@@ -147,12 +200,16 @@ def _json_array_rows(path: Path, chunk_chars: int = 1 << 20) -> Iterator[RawRow]
                 pos += 1
                 break
             else:
-                raise SourceError(f"{path}: byte {offset()}: expected ',' or ']' after element {index} of the "
-                                  f"JSON array, found {c!r}" if c else
-                                  f"{path}: the JSON array ends after element {index} at byte {offset()} without "
-                                  "its closing ']' (a truncated file); nothing was read from this source")
+                if c:
+                    raise SourceError(f"{path}: byte {offset()}: expected ',' or ']' after element {index} of the "
+                                      f"JSON array, found {c!r}")
+                raise TruncatedSource(f"{path}: the JSON array ends after element {index} at byte {offset()} without "
+                                      "its closing ']' (a truncated file)" + TruncatedSource.KEEP_HINT)
         if skip_space():
             raise SourceError(f"{path}: byte {offset()}: data after the JSON array's closing ']'")
+        if _cut_short(f):  # the array is whole, but the compressed stream lost its end
+            raise TruncatedSource(f"{path}: the compressed file is truncated after its JSON array's last element"
+                                  + TruncatedSource.KEEP_HINT)
 
 
 def _parquet_rows(path: Path) -> Iterator[RawRow]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from deepspec.config import SplitConfig
 from deepspec.data.conversation import (RowRejected, conversation_id, normalize_conversation,
                                         normalize_prompt, system_prompt, user_turns)
-from deepspec.data.sources import iter_source
+from deepspec.data.sources import TruncatedSource, iter_source
 from deepspec.io import atomic_open, hash_unit, write_json
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class SplitResult:
     rejected: list[dict]
     read: int
     adjusted: dict = dataclasses.field(default_factory=dict)  # rows kept after a change, by kind
+    truncated: str | None = None  # where the source file was cut, when its rows before it were kept
 
     def report(self, source: str) -> dict:
         by_reason = collections.Counter(r["reason"] for r in self.rejected)
@@ -59,6 +60,7 @@ class SplitResult:
             "rejected_total": len(self.rejected),
             "adjusted": dict(sorted(self.adjusted.items())),
             "tasks": dict(sorted(tasks.items())),
+            **({"truncated_source": self.truncated} if self.truncated else {}),
         }
 
 
@@ -67,7 +69,7 @@ def split_rows(cfg: SplitConfig) -> SplitResult:
     seen: set[str] = set()
     read = 0
     default_source = cfg.source if ":" in cfg.source else Path(cfg.source).name
-    for raw in iter_source(cfg.source, cfg.hf_split):
+    for raw in _rows(cfg, truncated := []):
         read += 1
         try:
             if raw.reason:
@@ -91,7 +93,20 @@ def split_rows(cfg: SplitConfig) -> SplitResult:
             evals.append(row)
         else:
             train.append({"id": row_id, "task": task, "source": source, "conversations": turns})
-    return SplitResult(train, evals, rejected, read, dict(collections.Counter(notes)))
+    return SplitResult(train, evals, rejected, read, dict(collections.Counter(notes)), truncated[0] if truncated else None)
+
+
+def _rows(cfg: SplitConfig, truncated: list):
+    """The source's rows; with `split.truncated_source: keep` a file cut part-way ends where it was cut
+    (the message goes into `truncated`) instead of failing."""
+    try:
+        yield from iter_source(cfg.source, cfg.hf_split)
+    except TruncatedSource as e:
+        if cfg.truncated_source != "keep":
+            raise
+        message = str(e).split(TruncatedSource.KEEP_HINT)[0]
+        log.warning("%s: keeping the rows before the cut (split.truncated_source: keep)", message)
+        truncated.append(message)
 
 
 def rejection_summary(result: SplitResult) -> str:

@@ -251,6 +251,8 @@ def test_a_truncated_json_array_is_an_error_naming_the_byte_and_writes_nothing(t
     with pytest.raises(SourceError, match=r"cut\.json: (element \d+ at byte \d+|the JSON array ends after element \d+ at byte \d+)"):
         run_split(SplitConfig(source=str(src)), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    kept = run_split(SplitConfig(source=str(src), truncated_source="keep"), tmp_path / "kept")
+    assert 0 < kept["kept"] < 20 and "cut.json" in kept["truncated_source"]
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "json"])
@@ -267,11 +269,19 @@ def test_gzip_sources_split_like_the_uncompressed_file_and_a_truncated_one_is_an
     assert a["kept"] == b["kept"] == 40
     strip = lambda rows: [{k: v for k, v in r.items() if k != "source"} for r in rows]  # noqa: E731 (the file name)
     assert strip(read(tmp_path / "a/train.jsonl")) == strip(read(tmp_path / "b/train.jsonl"))
+    many = [conv(("human", f"question {i}: {'words ' * 20}"), ("gpt", f"answer {i}")) for i in range(3000)]
+    text = (json.dumps(many, indent=1) if kind == "json" else "".join(json.dumps(r) + "\n" for r in many)).encode()
     cut = tmp_path / f"cut.{kind}.gz"
     cut.write_bytes(gzip.compress(text)[:-200])  # a download that stopped early
-    with pytest.raises(SourceError, match=r"cut\.%s\.gz: the compressed file is truncated or damaged after" % kind):
+    with pytest.raises(SourceError, match=r"cut\.%s\.gz: .*truncated" % kind):
         run_split(SplitConfig(source=str(cut)), tmp_path / "c")
     assert not (tmp_path / "c").exists()
+    # asked for, the whole rows before the cut are kept and the report says where it was cut
+    kept = run_split(SplitConfig(source=str(cut), truncated_source="keep", test_fraction=0.0), tmp_path / "d")
+    assert 1000 < kept["kept"] < 3000 and "truncated" in kept["truncated_source"]
+    got = read(tmp_path / "d/train.jsonl")
+    assert [t["content"] for r in got for t in r["conversations"]][:4] == ["question 0: " + "words " * 20, "answer 0",
+                                                                          "question 1: " + "words " * 20, "answer 1"]
 
 
 def test_openai_messages_and_a_leading_assistant_turn(tmp_path):
