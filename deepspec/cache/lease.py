@@ -11,7 +11,10 @@ anything and released when it is done (docs/cache-format.md §7).
   renewal found another holder, stops committing parts.
 - **Local disk**: `fcntl.flock` on the same file name; the kernel releases it when the holder
   exits, however it exits, so a local lock never needs to expire. The holder's identity is written
-  into the file for the error message of the writer that is refused.
+  into the file for the error message of the writer that is refused. (`filelock` takes the same
+  flock, but its lock file carries nothing, so a refused writer could not be told who holds the
+  store, and it has no join by run id for the other ranks of a job: the lock it would give is the
+  one flock call here.)
 
 The ranks of one `torchrun` job share rank 0's lease: rank 0 takes it under the job's run id and
 the other ranks *join* by that id (a join refuses a lease held by any other run); before each
