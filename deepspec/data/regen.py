@@ -23,7 +23,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Callable
 
 import numpy as np
-import requests
 
 from deepspec.config import RegenConfig, SamplingConfig, to_dict
 from deepspec.data.template import encode_prompt
@@ -97,18 +96,18 @@ def build_request(backend: str, model: str, messages: list[dict], sampling: Samp
     return body
 
 
-def parse_response(resp: requests.Response) -> tuple[str, str, int]:
-    """(content, finish_reason, completion tokens) or RequestFailed with a reason."""
-    if resp.status_code >= 500:
-        raise RequestFailed("http_5xx", f"HTTP {resp.status_code}: {resp.text[:200]}")
-    if resp.status_code == 429:
-        raise RequestFailed("http_429", resp.text[:200])
-    if resp.status_code >= 400:
-        raise RequestFailed("http_4xx", f"HTTP {resp.status_code}: {resp.text[:200]}", retryable=False)
+def parse_reply(status: int, text: str) -> tuple[str, str, int]:
+    """(content, finish_reason, completion tokens) of an HTTP reply, or RequestFailed with a reason."""
+    if status >= 500:
+        raise RequestFailed("http_5xx", f"HTTP {status}: {text[:200]}")
+    if status == 429:
+        raise RequestFailed("http_429", text[:200])
+    if status >= 400:
+        raise RequestFailed("http_4xx", f"HTTP {status}: {text[:200]}", retryable=False)
     try:
-        data = resp.json()
+        data = json.loads(text)
     except ValueError:
-        raise RequestFailed("non_json", resp.text[:200]) from None
+        raise RequestFailed("non_json", text[:200]) from None
     choices = data.get("choices") if isinstance(data, dict) else None
     if not choices:
         raise RequestFailed("empty_choices", json.dumps(data)[:200])
@@ -132,25 +131,41 @@ class Endpoint:
     model: str
 
 
+# the body fields the openai SDK takes as arguments; the rest (top_k, min_p, chat_template_kwargs,
+# generation_config) goes in its `extra_body`, sent as given
+SDK_FIELDS = ("model", "messages", "max_tokens", "temperature", "top_p", "seed", "stream")
+
+
 class Client:
+    """Chat completions through the `openai` SDK, one client per endpoint (thread-safe). Retries are
+    one layer, this one: the SDK's own are off (max_retries=0) because a reply can be a fault the SDK
+    accepts (no choices, no content, not JSON, empty content) and every fault gets the same
+    exponential backoff with jitter here."""
+
     def __init__(self, cfg: RegenConfig, sampling: SamplingConfig, api_key: str | None = None,
                  sleep: Callable[[float], None] = time.sleep, eos_token_id: int | list[int] | None = None):
         self.cfg = cfg
         self.eos_token_id = eos_token_id
         self.sampling = sampling
         self.sleep = sleep
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._local = threading.local()
+        self.api_key = api_key
+        self._clients: dict[str, object] = {}
+        self._lock = threading.Lock()
 
-    def _session(self) -> requests.Session:
-        if not hasattr(self._local, "session"):
-            self._local.session = requests.Session()
-        return self._local.session
+    def _sdk(self, endpoint: Endpoint):
+        import openai
+
+        with self._lock:
+            if endpoint.url not in self._clients:
+                # a server without auth takes any key; the SDK refuses to start without one
+                self._clients[endpoint.url] = openai.OpenAI(base_url=f"{endpoint.url}/v1", api_key=self.api_key or "none",
+                                                            timeout=self.cfg.timeout_s, max_retries=0)
+            return self._clients[endpoint.url]
 
     def complete(self, endpoint: Endpoint, body: dict) -> tuple[str, str, int]:
-        """POST with retries: exponential backoff with jitter on every transient fault."""
+        """One chat completion, retried with exponential backoff and jitter on every transient fault."""
         def attempt() -> tuple[str, str, int]:
-            content, finish, n = parse_response(self._post(endpoint, body))
+            content, finish, n = parse_reply(*self._post(endpoint, body))
             if not content.strip():
                 raise RequestFailed("empty_content", f"finish_reason={finish}")
             return content, finish, n
@@ -161,23 +176,36 @@ class Client:
         """(HTTP status, body text) of a request the server answered; transient faults are retried,
         and one that persists (no connection, timeouts, 5xx, not JSON) is a RequestFailed."""
         def attempt() -> tuple[int, str]:
-            resp = self._post(endpoint, body)
-            if resp.status_code >= 500:
-                raise RequestFailed("http_5xx", f"HTTP {resp.status_code}: {resp.text[:200]}")
-            if resp.status_code == 429:
-                raise RequestFailed("http_429", resp.text[:200])
-            if resp.status_code < 400:
+            status, text = self._post(endpoint, body)
+            if status >= 500:
+                raise RequestFailed("http_5xx", f"HTTP {status}: {text[:200]}")
+            if status == 429:
+                raise RequestFailed("http_429", text[:200])
+            if status < 400:
                 try:  # any JSON answer: a 1-token reply may well have no content (a thinking model)
-                    resp.json()
+                    json.loads(text)
                 except ValueError:
-                    raise RequestFailed("non_json", resp.text[:200]) from None
-            return resp.status_code, resp.text
+                    raise RequestFailed("non_json", text[:200]) from None
+            return status, text
 
         return self._with_retries(attempt)
 
-    def _post(self, endpoint: Endpoint, body: dict) -> requests.Response:
-        return self._session().post(f"{endpoint.url}/v1/chat/completions", json=body, headers=self.headers,
-                                    timeout=self.cfg.timeout_s)
+    def _post(self, endpoint: Endpoint, body: dict) -> tuple[int, str]:
+        """(HTTP status, body text): the SDK's errors for transport faults become RequestFailed, an HTTP
+        error status is returned like any other reply."""
+        import openai
+
+        known = {"model": endpoint.model, "messages": []} | {k: v for k, v in body.items() if k in SDK_FIELDS}
+        extra = {k: v for k, v in body.items() if k not in SDK_FIELDS}
+        try:
+            raw = self._sdk(endpoint).chat.completions.with_raw_response.create(**known, extra_body=extra or None)
+            return raw.http_response.status_code, raw.http_response.text
+        except openai.APIStatusError as e:
+            return e.status_code, e.response.text
+        except openai.APITimeoutError as e:
+            raise RequestFailed("timeout", str(e)[:200]) from None
+        except openai.APIConnectionError as e:
+            raise RequestFailed("connection", f"{e}: {e.__cause__}"[:200]) from None
 
     def _with_retries(self, attempt_once):
         last: RequestFailed | None = None
@@ -187,10 +215,6 @@ class Client:
                 self.sleep(delay)
             try:
                 return attempt_once()
-            except requests.Timeout as e:
-                last = RequestFailed("timeout", str(e)[:200])
-            except requests.ConnectionError as e:
-                last = RequestFailed("connection", str(e)[:200])
             except RequestFailed as e:
                 last = e
                 if not e.retryable:

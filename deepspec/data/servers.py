@@ -18,10 +18,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import requests
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +64,10 @@ class ManagedServer:
             if self.proc.poll() is not None:
                 raise ServerError(f"server exited with code {self.proc.returncode} before becoming healthy; "
                                   f"log {self.log_path}:\n{self.log_tail()}")
-            with contextlib.suppress(requests.RequestException):
-                if requests.get(self.url + self.health_path, timeout=2).status_code == 200:
-                    return
+            with contextlib.suppress(OSError):  # refused, reset, timed out, or an HTTP error status
+                with urllib.request.urlopen(self.url + self.health_path, timeout=2) as resp:
+                    if resp.status == 200:
+                        return
             time.sleep(0.5)
         self.stop()
         raise ServerError(f"server at {self.url} not healthy after {timeout:.0f}s; log {self.log_path}:\n"
