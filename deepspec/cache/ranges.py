@@ -1,12 +1,16 @@
 """Byte ranges of a store's keys: `os.pread`/`preadv` on local files (an LRU of open descriptors),
-fsspec range requests otherwise, with retries and, on an async filesystem such as s3fs, many
-requests in flight on its own event loop (docs/scale.md, "S3 read-ahead")."""
+fsspec range requests otherwise and, on an async filesystem such as s3fs, many requests in flight
+on its own event loop (docs/scale.md, "S3 read-ahead").
+
+Retries on S3 are one layer, botocore's own ("standard" mode: throttling, 5xx, dropped connections,
+exponential backoff with jitter), configured here to `retries` retries; s3fs's retry loop around it
+is set to one attempt. (Before, a loop here around s3fs's five attempts around botocore's five made
+up to 100 requests of one range before a read failed.)"""
 from __future__ import annotations
 
 import collections
 import os
 import threading
-import time
 
 from deepspec.cache.format import CacheFormatError
 from deepspec.cache.store import is_remote, storage_options_for
@@ -44,12 +48,16 @@ class ByteRanges:
             import fsspec
 
             options = storage_options_for(url, storage_options)
-            if url.startswith("s3://") and connections > 10:
-                # botocore's connection pool (10 by default) would cap the requests in flight
+            s3 = url.startswith("s3://")
+            if s3:
                 config = dict(options.get("config_kwargs") or {})
-                config.setdefault("max_pool_connections", connections)
+                config.setdefault("retries", {"mode": "standard", "total_max_attempts": retries + 1})
+                if connections > 10:  # botocore's connection pool (10 by default) would cap the requests in flight
+                    config.setdefault("max_pool_connections", connections)
                 options["config_kwargs"] = config
             fs, self.root = fsspec.core.url_to_fs(url, **options)
+            if s3:
+                fs.retries = 1  # s3fs's own loop: one attempt (botocore retries); an instance of these options only
             if cache_dir:  # fsspec's own block cache: byte ranges are kept on local disk
                 fs = fsspec.filesystem("blockcache", fs=fs, cache_storage=cache_dir)
             self.fs = fs
@@ -78,27 +86,14 @@ class ByteRanges:
 
     def read(self, key: str, start: int, end: int) -> bytes:
         if self.remote:
-            for attempt in range(self.retries + 1):
-                try:
-                    return self.fs.cat_file(f"{self.root}/{key}", start=start, end=end)
-                except FileNotFoundError:
-                    raise
-                except OSError:  # transient network/storage errors; s3fs maps most to OSError
-                    if attempt == self.retries:
-                        raise
-                    time.sleep(self._backoff(attempt))
+            return self.fs.cat_file(f"{self.root}/{key}", start=start, end=end)
         data = os.pread(self._fd(key), end - start, start)
         if len(data) != end - start:
             raise CacheFormatError(f"{key}: short read ({len(data)} of {end - start} bytes at {start})")
         return data
 
-    @staticmethod
-    def _backoff(attempt: int) -> float:
-        return 0.2 * 2 ** attempt
-
     def read_ranges(self, ranges: list[tuple[str, int, int | None]], in_flight: int) -> list[bytes]:
-        """Many (key, start, end) ranges, up to `in_flight` requests at a time, each with read()'s
-        retry rule. An async filesystem (s3fs, ...) runs them as coroutines on its own event loop;
+        """Many (key, start, end) ranges, up to `in_flight` requests at a time (each retried by botocore). An async filesystem (s3fs, ...) runs them as coroutines on its own event loop;
         another remote one on threads; local files and fsspec's block cache one after another."""
         if not self.remote or self.cached or in_flight <= 1 or len(ranges) <= 1:
             return [self.read(*r) for r in ranges]
@@ -113,15 +108,7 @@ class ByteRanges:
 
         async def fetch(gate, key: str, start: int, end: int) -> bytes:
             async with gate:
-                for attempt in range(self.retries + 1):
-                    try:
-                        return await self.fs._cat_file(f"{self.root}/{key}", start=start, end=end)
-                    except FileNotFoundError:
-                        raise
-                    except OSError:
-                        if attempt == self.retries:
-                            raise
-                        await asyncio.sleep(self._backoff(attempt))
+                return await self.fs._cat_file(f"{self.root}/{key}", start=start, end=end)
 
         async def gather() -> list[bytes]:
             gate = asyncio.Semaphore(in_flight)
