@@ -61,6 +61,10 @@ def pipeline(request, tmp_path_factory):
         assert f"Running stage '{stage}'" in out
     metrics = json.loads((repo / "data/train/metrics.json").read_text())
     TIMINGS[f"train step s {name}"] = metrics["wall_s"] / params["train"]["steps"]
+    TIMINGS[f"target stage s {name}"] = json.loads((repo / "data/target/metrics.json").read_text())["wall_time_s"]
+    TIMINGS[f"cache stage s {name}"] = json.loads((repo / "data/cache/metrics.json").read_text())["wall_s"]
+    draft = json.loads((repo / "data/draft/config.json").read_text())
+    TIMINGS[f"mask token {name}"] = f"{draft['mask_token']} ({draft['mask_token_id']})"
     return name, repo
 
 
@@ -97,7 +101,7 @@ def test_cached_states_are_the_models_own_hidden_states(pipeline):
     _, model = load_target(repo)
     samples = cached_samples(repo, layers)
     assert samples
-    worst, exact, total = 0.0, 0, 0
+    worst, exact, total, abs_diff = 0.0, 0, 0, 0.0
     for s in samples:
         with torch.no_grad():
             hs = model(input_ids=s["input_ids"][None].long(), output_hidden_states=True).hidden_states
@@ -112,7 +116,9 @@ def test_cached_states_are_the_models_own_hidden_states(pipeline):
             # the token's scale
             rms = want.pow(2).mean(-1, keepdim=True).sqrt()
             worst = max(worst, ((got - want).abs() - 2 ** -7 * want.abs()).div(rms).max().item())
+            abs_diff = max(abs_diff, (got - want).abs().max().item())
     TIMINGS[f"states equal to bf16 of the model's {name}"] = exact / total
+    TIMINGS[f"states max abs diff {name}"] = abs_diff
     assert worst <= 1e-4 and exact / total > 0.99, (worst, exact / total)
 
 
@@ -134,6 +140,7 @@ def test_every_masked_run_is_a_regenerated_answer_and_its_end_of_turn(pipeline):
         assert got == want[:len(got)] and len(got) == len(want), (row["id"], got, want)
         ended += sum(f != "length" for f in finish)
     TIMINGS[f"answers ended by the model {name}"] = ended
+    TIMINGS[f"masked runs checked {name}"] = sum(len(runs(s["loss_mask"].tolist())) for s in samples)
 
 
 def test_greedy_speculative_decoding_equals_plain_and_tau_is_reported(pipeline):
