@@ -20,6 +20,7 @@ import os
 import time
 from array import array
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -48,9 +49,10 @@ class Sample:
     loss_mask: list[int]
     adjusted: tuple[str, ...] = ()  # what encode_row changed (counted in the stage report)
 
-    @property
+    @cached_property
     def key(self) -> tuple[int, int]:
-        """The content key (format.sample_key): what the target is run on for this sample."""
+        """The content key (format.sample_key): what the target is run on for this sample. Hashed once:
+        a computed part's samples are checked against the plan, named and written by it."""
         return sample_key(self.input_ids, self.loss_mask)
 
 
