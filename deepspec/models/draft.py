@@ -33,7 +33,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3Attention, Qwen3MLP, Qwen3RMSNorm,
                                                       Qwen3RotaryEmbedding, apply_rotary_pos_emb, rotate_half)
 
-from deepspec.models.objectives import draft_loss, slot_weights
+from deepspec.models.objectives import draft_loss
 
 DRAFT_FORMAT_VERSION = 1
 
@@ -238,10 +238,7 @@ class DraftModel(nn.Module):
         return self.norm(h).view(B, N, g, -1)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """What the target's embedding module gives for `tokens` (engines feed the draft from it)."""
-        out = self.embed_tokens(tokens)
-        scale = self.config.embed_scale  # applied in the weights' dtype, as the target's module does
-        return out if scale == 1.0 else out * torch.tensor(scale, dtype=out.dtype, device=out.device)
+        return target_embed(self.embed_tokens, tokens, self.config.embed_scale)
 
     def mask_vector(self) -> torch.Tensor:
         if self.mask_embedding is not None:
@@ -271,10 +268,6 @@ class DraftModel(nn.Module):
         """Training forward (the loss): DDP needs the loss computed inside forward()."""
         return draft_loss(self, batch, anchors, ce_w, l1_w, conf_w, decay_gamma, norm)
 
-    def loss_weights(self, batch: dict, anchors, decay_gamma: float) -> torch.Tensor:
-        """The loss weight of every draft of the batch (the trainer normalises by their global sum)."""
-        return slot_weights(batch, anchors, self.config.num_drafts, decay_gamma)
-
     # ---- save / load -----------------------------------------------------------------------------
     def save(self, out_dir: str | Path) -> None:
         save_draft(self, out_dir)
@@ -286,6 +279,13 @@ class DraftModel(nn.Module):
         if config.algorithm not in ("dspark", "dflash"):
             raise ValueError(f"{path}: a {config.algorithm} draft (load it with models.registry.load_draft)")
         return load_weights(cls(config), path).to(device)
+
+
+def target_embed(embedding: nn.Embedding, tokens: torch.Tensor, scale: float) -> torch.Tensor:
+    """What the target's embedding module gives for `tokens` (engines feed the draft from it): the
+    rows times its scale, applied in the weights' dtype as Gemma's scaled embedding does."""
+    out = embedding(tokens)
+    return out if scale == 1.0 else out * torch.tensor(scale, dtype=out.dtype, device=out.device)
 
 
 def read_draft_config(path: str | Path) -> DraftConfig:

@@ -30,7 +30,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
                                                       apply_rotary_pos_emb)
 
-from deepspec.models.draft import save_draft
+from deepspec.models.draft import save_draft, target_embed
 from deepspec.models.objectives import LossOutput
 
 EAGLE3_AUX_LAYERS = 3  # sglang fixes the fused input at 3 x target hidden
@@ -172,10 +172,7 @@ class Eagle3Model(nn.Module):
 
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, mask, past=()):
         """One pass of the decoder layer: tokens/pos [B, Q], hidden [B, Q, H] -> (output, (k, v))."""
-        emb = self.embed_tokens(tokens)
-        if self.config.embed_scale != 1.0:  # what the target's embedding module gives (Gemma scales)
-            emb = emb * torch.tensor(self.config.embed_scale, dtype=emb.dtype, device=emb.device)
-        emb = emb.to(hidden.dtype)
+        emb = target_embed(self.embed_tokens, tokens, self.config.embed_scale).to(hidden.dtype)
         return self.layer(emb, hidden, self.rotary(hidden, pos), mask, past)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -186,9 +183,6 @@ class Eagle3Model(nn.Module):
                 norm: float | None = None):
         """Training forward (the loss); `anchors` are unused: every position drafts."""
         return eagle3_loss(self, batch, ce_w, l1_w, decay_gamma, norm)
-
-    def loss_weights(self, batch: dict, anchors, decay_gamma: float) -> torch.Tensor:
-        return eagle3_weights(batch, self.config.ttt_steps, decay_gamma)
 
     def save(self, out_dir) -> None:
         save_draft(self, out_dir)

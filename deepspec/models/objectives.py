@@ -104,14 +104,6 @@ def _labels(batch: dict, anchors: Anchors, block: int):
     return label_pos, valid
 
 
-def slot_weights(batch: dict, anchors: Anchors, drafts: int, decay_gamma: float) -> torch.Tensor:
-    """[B, N, D] loss weight of each draft (`drafts` = the draft's num_drafts)."""
-    _, valid = _labels(batch, anchors, drafts)
-    block = drafts
-    k = torch.arange(block, device=valid.device)
-    return valid.float() * torch.exp(-k.float() / decay_gamma)[None, None, :]
-
-
 def draft_loss(model, batch: dict, anchors: Anchors, ce_w: float, l1_w: float, conf_w: float,
                decay_gamma: float, norm: float | None = None) -> LossOutput:
     """`norm` replaces the batch's own sum of slot weights as the normaliser (the trainer passes the

@@ -190,13 +190,14 @@ def target_embeddings(model_dir: str | Path) -> TargetEmbeddings | None:
     return TargetEmbeddings(where[emb_name], where.get(head_name, where[emb_name]), scale)
 
 
-def embedding_weights(model_dir: str | Path):
+def embedding_weights(model_dir: str | Path, where: TargetEmbeddings | None = None):
     """(input embedding [V, H], lm_head [V, H], embedding scale) of a target, float32: read by name
-    from the safetensors where target_embeddings finds them, else from the loaded model."""
+    from the safetensors where target_embeddings finds them (or `where` says), else from the loaded
+    model."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    where = target_embeddings(model_dir)
+    where = where or target_embeddings(model_dir)
     if where is None:
         log.info("%s: embedding and lm_head not found by name in its safetensors: loading the whole model",
                  model_dir)

@@ -93,7 +93,7 @@ def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path, vocab_count
     where = target_embeddings(target_dir)
     embed = head = None
     if where is None or eagle:
-        embed, head, embed_scale = embedding_weights(target_dir)
+        embed, head, embed_scale = embedding_weights(target_dir, where)
     else:
         embed_scale = where.scale
     target_cfg = AutoConfig.from_pretrained(target_dir)

@@ -325,13 +325,13 @@ class Trainer:
                 batch = next(batches)
                 anchors = sample_anchors(batch["loss_mask"], batch["lengths"].to(batch["loss_mask"].device),
                                          cfg.anchors_per_sample, anchor_generator(cfg.seed, step, m, self.rank))
-                local_weight += float(self.model.loss_weights(batch, anchors, cfg.decay_gamma).sum())
                 sync = m == cfg.grad_accum - 1 or self.world_size == 1
                 ctx = self.module.no_sync() if not sync and hasattr(self.module, "no_sync") else nullcontext()
                 with ctx, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                     out = self.module(batch, anchors, cfg.ce_weight, cfg.l1_weight, cfg.conf_weight,
                                       cfg.decay_gamma, norm=1.0)
                     out.loss.backward()
+                local_weight += out.metrics["weight"]  # this micro-batch's sum of loss weights
                 for k, v in out.metrics.items():  # loss terms add up over micro-batches, rates average
                     agg[k] = agg.get(k, 0.0) + (v if k in LOSS_TERMS else v / cfg.grad_accum)
                 self.state.tokens += int(batch["lengths"].sum())
