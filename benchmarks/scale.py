@@ -304,6 +304,16 @@ def regen_rss(args) -> None:
 
 
 # ---- train ---------------------------------------------------------------------------------------
+def run_child(flag: str, spec: dict, code: Path, cwd, what: str) -> dict:
+    """This script's `flag` child in a fresh process importing `code`; its last stdout line as JSON."""
+    env = dict(os.environ, PYTHONPATH=str(code), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), flag, json.dumps(spec)], env=env,
+                          capture_output=True, text=True, cwd=cwd)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def big_target(out: Path, layers: int) -> Path:
     """A random Qwen3-4B-shaped target with `layers` decoder layers, saved in bf16 (as the hub ships
     it), with the builtin tokenizer (its 512 tokens are fewer than the 151,936 embedding rows)."""
@@ -369,13 +379,8 @@ def train_init_rss(args) -> None:
         target = big_target(Path(tmp) / "target", args.init_layers)
         size_mb = sum(p.stat().st_size for p in target.glob("*.safetensors")) / 2 ** 20
         for mode in ("this", "whole"):
-            env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-            spec = {"target": str(target), "mode": mode, "threads": args.threads}
-            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--train-init-child",
-                                   json.dumps(spec)], env=env, capture_output=True, text=True, cwd=tmp)
-            if proc.returncode != 0:
-                raise RuntimeError(f"draft init ({mode}) failed:\n{proc.stderr[-3000:]}")
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            r = run_child("--train-init-child", {"target": str(target), "mode": mode, "threads": args.threads},
+                          REPO, tmp, f"draft init ({mode})")
             print(f"  {mode}: {json.dumps(r)}", file=sys.stderr)
             above = (r["peak_kb"] - r["baseline_kb"]) / 1024
             beyond = above - r["draft_kb"] / 1024
@@ -436,12 +441,7 @@ def train_accum_rss(args) -> None:
                 # grouped into steps differs, not how much of the cache is read
                 spec = {"cache": str(cache), "target": str(target), "root": str(run), "accum": a,
                         "batch": args.train_batch, "steps": 2 * max(accums) // a, "threads": args.threads}
-                env = dict(os.environ, PYTHONPATH=str(code), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-                proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--train-accum-child",
-                                       json.dumps(spec)], env=env, capture_output=True, text=True, cwd=tmp)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"training at grad_accum {a} failed:\n{proc.stderr[-3000:]}")
-                r = json.loads(proc.stdout.strip().splitlines()[-1])
+                r = run_child("--train-accum-child", spec, code, tmp, f"training at grad_accum {a}")
                 print(f"  {label} {a}: {json.dumps(r)}", file=sys.stderr)
                 above = (r["peak_kb"] - r["baseline_kb"]) / 1024
                 first = first if first is not None else above

@@ -260,12 +260,10 @@ def test_sigkill_then_rerun_gives_bitwise_the_same_weights(tmp_path, small_cache
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.slow
-def test_torchrun_two_processes_follow_the_one_process_loss_curve(tmp_path, small_cache, trained_target):
+def train_one_and_two_ranks(one: Path, two: Path) -> None:
+    """The train stage in `one` as one process and in `two` under torchrun with 2 processes."""
     from deepspec.data.servers import free_port
 
-    one = _stage_dir(tmp_path / "one", small_cache, trained_target, steps=60, batch_size=8, anchors_per_sample=12)
-    two = _stage_dir(tmp_path / "two", small_cache, trained_target, steps=60, batch_size=4, anchors_per_sample=12)
     env = project_env(REPO, DEEPSPEC_LOG="WARNING")
     subprocess.run([sys.executable, str(REPO / "stages" / "train.py")], cwd=one, env=env, check=True,
                    capture_output=True)
@@ -273,6 +271,13 @@ def test_torchrun_two_processes_follow_the_one_process_loss_curve(tmp_path, smal
                            "--master-port", str(free_port()), str(REPO / "stages" / "train.py")],
                           cwd=two, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_follow_the_one_process_loss_curve(tmp_path, small_cache, trained_target):
+    one = _stage_dir(tmp_path / "one", small_cache, trained_target, steps=60, batch_size=8, anchors_per_sample=12)
+    two = _stage_dir(tmp_path / "two", small_cache, trained_target, steps=60, batch_size=4, anchors_per_sample=12)
+    train_one_and_two_ranks(one, two)
     curve_one = _curve(one)
     curve_two = _curve(two)
     assert len(curve_one) == len(curve_two) == 60
@@ -287,18 +292,10 @@ def test_torchrun_two_processes_follow_the_one_process_loss_curve(tmp_path, smal
 def test_torchrun_eagle3_ranks_share_rank_0s_draft_vocabulary(tmp_path, small_cache, trained_target):
     """The loss-token counts are taken once, on rank 0, and broadcast: both ranks build the vocabulary
     maps a one-process run builds (and agree on them, or DDP's first step would see other buffers)."""
-    from deepspec.data.servers import free_port
-
     kw = dict(algorithm="eagle3", ttt_steps=2, draft_vocab_size=64, steps=2, batch_size=4)
     one = _stage_dir(tmp_path / "one", small_cache, trained_target, **kw)
     two = _stage_dir(tmp_path / "two", small_cache, trained_target, **kw)
-    env = project_env(REPO, DEEPSPEC_LOG="WARNING")
-    subprocess.run([sys.executable, str(REPO / "stages" / "train.py")], cwd=one, env=env, check=True,
-                   capture_output=True)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), str(REPO / "stages" / "train.py")],
-                          cwd=two, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    train_one_and_two_ranks(one, two)
     a = load_file(one / "data" / "draft" / "model.safetensors")
     b = load_file(two / "data" / "draft" / "model.safetensors")
     assert torch.equal(a["d2t"], b["d2t"]) and torch.equal(a["t2d"], b["t2d"])
