@@ -156,7 +156,7 @@ class IndexShare:
     raise the same error once all shares are gathered."""
     index: RowIndex
     lines_seen: int
-    fatal: tuple[int, str] | None = None  # (line in the range, message)
+    fatal: tuple[int, type, str] | None = None  # (line in the range, error class, message)
 
 
 def index_share(tokenizer, path, rules: EncodeRules, start: int = 0, end: int | None = None) -> IndexShare:
@@ -179,12 +179,12 @@ def index_share(tokenizer, path, rules: EncodeRules, start: int = 0, end: int | 
             try:
                 row = json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                fatal = (lineno, f"not valid JSON: {e}")
+                fatal = (lineno, JsonlError, f"not valid JSON: {e}")
                 break
             try:
                 out = encode_row(tokenizer, row, rules)
             except CacheFormatError as e:
-                fatal = (lineno, str(e))
+                fatal = (lineno, CacheFormatError, str(e))
                 break
             if isinstance(out, dict):
                 dropped.append(out)
@@ -204,13 +204,11 @@ def index_share(tokenizer, path, rules: EncodeRules, start: int = 0, end: int | 
 def merge_shares(path, shares: list[IndexShare]) -> RowIndex:
     """The RowIndex of the whole file from its ranges' shares, in file order: equal to indexing it in
     one pass (line numbers made global); raises the first unreadable row's error, by its global line."""
-    base = 0
-    for sh in shares:
-        if sh.fatal is not None:
-            line, msg = sh.fatal
-            raise (JsonlError if msg.startswith("not valid JSON") else CacheFormatError)(f"{path}:{base + line}: {msg}")
-        base += sh.lines_seen
     bases = np.cumsum([0] + [sh.lines_seen for sh in shares[:-1]])
+    for sh, base in zip(shares, bases):
+        if sh.fatal is not None:
+            line, error, msg = sh.fatal
+            raise error(f"{path}:{base + line}: {msg}")
     adjusted = collections.Counter()
     for sh in shares:
         adjusted.update(sh.index.adjusted)
