@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from deepspec.config import RegenConfig, SamplingConfig
-from deepspec.data.regen import Client, Endpoint, build_request, model_eos, request_token_bound
+from deepspec.data.chat_client import Client, Endpoint, build_request
+from deepspec.data.regen import model_eos, request_token_bound
 from deepspec.data.servers import cb_budget, launch_transformers_serve
 
 

@@ -245,7 +245,8 @@ def regen_child(spec: dict) -> None:
     import gc
 
     from deepspec.config import RegenConfig, SamplingConfig
-    from deepspec.data.regen import Journal, SplitRows, write_outputs
+    from deepspec.data.journal import Journal
+    from deepspec.data.regen import SplitRows, write_outputs
 
     cfg = RegenConfig(fraction=1.0)
     gc.collect()

@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 
 from deepspec.config import RegenConfig, SamplingConfig, SplitConfig, TinyTargetConfig
-from deepspec.data.regen import Endpoint, Journal, model_eos, request_token_bound, run_regen
+from deepspec.data.chat_client import Endpoint
+from deepspec.data.journal import Journal
+from deepspec.data.regen import model_eos, request_token_bound, run_regen
 from deepspec.data.servers import cb_budget, launch_transformers_serve
 from deepspec.data.split import builtin_train_rows
 

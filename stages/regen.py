@@ -5,9 +5,10 @@ import logging
 import os
 from pathlib import Path
 
-from deepspec.data.regen import (Endpoint, Journal, JournalError, ProbeError, ProbeRejected, SplitRows, model_eos,
-                                 probe_endpoints, regen_fingerprint, reproducibility, request_token_bound, run_regen,
-                                 write_outputs)
+from deepspec.data.chat_client import Endpoint, ProbeError, ProbeRejected, probe_endpoints
+from deepspec.data.journal import Journal, JournalError
+from deepspec.data.regen import (SplitRows, model_eos, regen_fingerprint, reproducibility, request_token_bound,
+                                 run_regen, write_outputs)
 from deepspec.data.generate import run_local
 from deepspec.data.servers import ServerError, cb_budget, launch_sglang, launch_transformers_serve
 from deepspec.io import write_json
@@ -61,30 +62,34 @@ def main(params):
         journal = Journal(OUT / "journal", regen_fingerprint(cfg, params.sampling, identity))
     except JournalError as e:
         raise StageError(str(e)) from None
-    api_key = os.environ.get(cfg.api_key_env) if cfg.backend == "openai" else None
-    if cfg.backend == "local":
-        try:
+    try:
+        if cfg.backend == "local":
             ordered, errors = run_local(rows, TARGET, cfg, params.sampling, journal, model_eos(TARGET))
-        finally:
-            journal.close()
-        return finish(cfg, params, n_rows, ordered, errors, identity)
+        else:
+            ordered, errors = through_servers(cfg, params.sampling, rows, journal)
+        finish(cfg, params, n_rows, ordered, errors, identity)  # reads the finished rows back from the journal
+    finally:
+        journal.close()
+
+
+def through_servers(cfg, sampling, rows, journal):
+    """run_regen against the servers of `cfg` (started here if it says so, and stopped again)."""
+    api_key = os.environ.get(cfg.api_key_env) if cfg.backend == "openai" else None
     servers = []
     try:
         todo = (r for r in rows if r["id"] not in journal.done)
         first = next(todo, None)
-        endpoints = start_endpoints(cfg, params.sampling, itertools.chain([first], todo), servers) \
+        endpoints = start_endpoints(cfg, sampling, itertools.chain([first], todo), servers) \
             if first is not None else []
         eos = model_eos(TARGET) if cfg.backend == "transformers" else None
         if endpoints:
-            endpoints = probe_endpoints(endpoints, cfg, params.sampling, api_key, eos)
-        ordered, errors = run_regen(rows, endpoints, cfg, params.sampling, journal, api_key, eos)
+            endpoints = probe_endpoints(endpoints, cfg, sampling, api_key, eos)
+        return run_regen(rows, endpoints, cfg, sampling, journal, api_key, eos)
     except (ServerError, ProbeError, ProbeRejected) as e:
         raise StageError(str(e)) from None
     finally:
-        journal.close()
         for s in reversed(servers):
             s.stop()
-    finish(cfg, params, n_rows, ordered, errors, identity)
 
 
 def finish(cfg, params, n_rows, ordered, errors, identity):

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from deepspec.config import RegenConfig, SamplingConfig
-from deepspec.data.regen import request_seed
+from deepspec.data.chat_client import request_seed
 from deepspec.io import hash_unit
 from deepspec.progress import progress
 

@@ -7,7 +7,8 @@ import torch
 
 from deepspec.config import RegenConfig, SamplingConfig
 from deepspec.data.generate import RowSampler, batch_ranges, run_local
-from deepspec.data.regen import Journal, regen_fingerprint, reproducibility
+from deepspec.data.journal import Journal
+from deepspec.data.regen import regen_fingerprint, reproducibility
 from tests.conftest import SAMPLE_CONVERSATIONS
 
 
@@ -64,6 +65,7 @@ def generated(trained_target, tmp_path_factory):
     for k in range(2):
         journal = Journal(root / f"j{k}", regen_fingerprint(cfg, sampling, None))
         ordered, errors = run_local(rows, trained_target, cfg, sampling, journal)
+        ordered = list(ordered)  # read back from the journal, which closing ends
         journal.close()
         assert errors == []
         runs.append(ordered)
@@ -88,6 +90,7 @@ def test_a_resumed_run_and_a_grown_input_keep_every_other_rows_answer(generated,
     for row in first[a:a + 1]:
         journal.append(row)
     resumed, _ = run_local(rows, trained_target, cfg, sampling, journal)
+    resumed = list(resumed)
     journal.close()
     assert json.dumps(list(resumed)) == json.dumps(list(first))
     # one row more in the middle: rows outside its batch keep their answers exactly
@@ -95,6 +98,7 @@ def test_a_resumed_run_and_a_grown_input_keep_every_other_rows_answer(generated,
     grown = rows[:10] + extra + rows[10:]
     journal = Journal(tmp_path / "j2", regen_fingerprint(cfg, sampling, None))
     again, _ = run_local(grown, trained_target, cfg, sampling, journal)
+    again = list(again)
     journal.close()
     def batch_of(rs):
         return {r["id"]: frozenset(x["id"] for x in rs[a:b])

@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from deepspec.config import RegenConfig, SamplingConfig
-from deepspec.data.regen import (Client, Endpoint, Journal, JournalError, ProbeError, ProbeRejected, RequestFailed,
-                                 WorkerCrashed, build_request, model_eos, probe_endpoints, request_token_bound,
-                                 run_regen, select_rows)
-from deepspec.data.regen import reproducibility
+from deepspec.data.chat_client import (Client, Endpoint, ProbeError, ProbeRejected, RequestFailed, build_request,
+                                       probe_endpoints)
+from deepspec.data.journal import Journal, JournalError
+from deepspec.data.regen import WorkerCrashed, model_eos, reproducibility, request_token_bound, run_regen, select_rows
 from deepspec.data.servers import DETERMINISTIC_SGLANG, cb_budget, free_port, launch_transformers_serve, sglang_commands
 from tests.conftest import REPO, SAMPLE_CONVERSATIONS, project_env, write_split
 
@@ -337,6 +337,19 @@ def test_a_journal_of_other_params_is_set_aside_and_resumed_when_they_come_back(
     j1.close()
     assert Journal(tmp_path / "j", "fp2").done == {"1": {"id": "1", "x": 2}}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["j", "j-stale-fp1"]
+
+
+def test_journal_counts_the_first_copy_of_a_row_and_lists_ids_in_journal_order(tmp_path):
+    # a row finished twice (two servers raced, or an old copy resumed): the first line is the row
+    j = Journal(tmp_path / "j", "fp")
+    for row in ({"id": "b", "x": 1}, {"id": "a", "x": 2}, {"id": "b", "x": 3}):
+        j.append(row)
+    assert list(j.done) == ["b", "a"] and j.done["b"] == {"id": "b", "x": 1} and len(j.done) == 2
+    j.close()
+    j = Journal(tmp_path / "j", "fp")  # the same after recovery from the file
+    assert list(j.done) == ["b", "a"] and j.done["b"] == {"id": "b", "x": 1} and "c" not in j.done
+    assert list(j.in_order([{"id": "a"}, {"id": "c"}, {"id": "b"}])) == [{"id": "a", "x": 2}, {"id": "b", "x": 1}]
+    j.close()
 
 
 @pytest.mark.parametrize("bad_line", [b'{"id": "2", "x"\n', b"\x00\x00\x00\n", b'["not", "a", "row"]\n'])
