@@ -1,42 +1,52 @@
 """Typed view of params.yaml.
 
-Every section is a dataclass; `load_params` checks each key against the dataclass fields so an
-unknown key, a wrong type or an out-of-range value fails with the key path and the bad value,
-before any stage does expensive work.
+Every section is a dataclass whose field types carry their bounds; `load_params` validates the
+file against them with pydantic (extra keys forbidden, no coercion of one type into another), so
+an unknown key, a wrong type or an out-of-range value fails with the file, the key path and the bad
+value before any stage does expensive work. Sections built in code (`SamplingConfig(max_tokens=8)`)
+are plain dataclasses and are not validated.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import ConfigDict, Field, Strict, TypeAdapter, ValidationError
 
 
 class ConfigError(ValueError):
     pass
 
 
-def _f(default: Any = dataclasses.MISSING, *, ge=None, gt=None, le=None, lt=None, factory=None):
-    meta = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt).items() if v is not None}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
+# YAML's types as they are written: `5` is not a float's "5.0" typo to fix up, "5" is not a number,
+# `yes` is not true (an int is still accepted where a float is wanted)
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+Str = Annotated[str, Strict()]
 
 
-@dataclass
+def section(cls: type) -> type:
+    """A params.yaml section: a dataclass in which a key that is not a field is an error."""
+    cls.__pydantic_config__ = ConfigDict(extra="forbid")
+    return dataclass(cls)
+
+
+@section
 class SplitConfig:
-    source: str = "builtin:chat"
-    seed: int = _f(0, ge=0)
-    test_fraction: float = _f(0.05, ge=0.0, lt=1.0)
-    hf_split: str = "train"
+    source: Str = "builtin:chat"
+    seed: Annotated[Int, Field(ge=0)] = 0
+    test_fraction: Annotated[Float, Field(ge=0.0, lt=1.0)] = 0.05
+    hf_split: Str = "train"
     # more rejected rows than this fraction of those read fails the stage: a source in the wrong
     # format must not pass as a small dataset
-    max_reject_fraction: float = _f(0.5, ge=0.0, le=1.0)
+    max_reject_fraction: Annotated[Float, Field(ge=0.0, le=1.0)] = 0.5
     # a conversation that opens with an assistant turn: drop that turn, or reject the row
     leading_assistant: Literal["drop_turn", "reject"] = "drop_turn"
     # a source file that ends part-way (a download that stopped): fail, or keep the whole rows before
@@ -44,149 +54,149 @@ class SplitConfig:
     truncated_source: Literal["fail", "keep"] = "fail"
 
 
-@dataclass
+@section
 class TinyTargetConfig:
     """Shape and training budget of the `builtin:tiny` target."""
-    vocab_size: int = _f(4096, ge=512)
-    hidden_size: int = _f(128, ge=16)
-    num_layers: int = _f(36, ge=2)
-    num_heads: int = _f(4, ge=1)
-    num_kv_heads: int = _f(2, ge=1)
-    head_dim: int = _f(32, ge=4)
-    intermediate_size: int = _f(384, ge=16)
-    seq_len: int = _f(256, ge=32)
-    batch_size: int = _f(4, ge=1)
-    steps: int = _f(500, ge=1)
-    lr: float = _f(6e-3, gt=0.0)
-    muon_lr: float = _f(0.02, gt=0.0)
-    warmup_steps: int = _f(20, ge=0)
-    weight_decay: float = _f(0.0, ge=0.0)
-    pretrain_weight: float = _f(0.3, ge=0.0, le=1.0)
-    synthetic_rows: int = _f(4000, ge=0)
-    heldout_fraction: float = _f(0.05, gt=0.0, lt=1.0)
-    threads: int = _f(0, ge=0)
+    vocab_size: Annotated[Int, Field(ge=512)] = 4096
+    hidden_size: Annotated[Int, Field(ge=16)] = 128
+    num_layers: Annotated[Int, Field(ge=2)] = 36
+    num_heads: Annotated[Int, Field(ge=1)] = 4
+    num_kv_heads: Annotated[Int, Field(ge=1)] = 2
+    head_dim: Annotated[Int, Field(ge=4)] = 32
+    intermediate_size: Annotated[Int, Field(ge=16)] = 384
+    seq_len: Annotated[Int, Field(ge=32)] = 256
+    batch_size: Annotated[Int, Field(ge=1)] = 4
+    steps: Annotated[Int, Field(ge=1)] = 500
+    lr: Annotated[Float, Field(gt=0.0)] = 6e-3
+    muon_lr: Annotated[Float, Field(gt=0.0)] = 0.02
+    warmup_steps: Annotated[Int, Field(ge=0)] = 20
+    weight_decay: Annotated[Float, Field(ge=0.0)] = 0.0
+    pretrain_weight: Annotated[Float, Field(ge=0.0, le=1.0)] = 0.3
+    synthetic_rows: Annotated[Int, Field(ge=0)] = 4000
+    heldout_fraction: Annotated[Float, Field(gt=0.0, lt=1.0)] = 0.05
+    threads: Annotated[Int, Field(ge=0)] = 0
 
 
-@dataclass
+@section
 class TargetConfig:
-    source: str = "builtin:tiny"
-    seed: int = _f(0, ge=0)
+    source: Str = "builtin:tiny"
+    seed: Annotated[Int, Field(ge=0)] = 0
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
 
 
-@dataclass
+@section
 class SamplingConfig:
-    temperature: float = _f(0.7, ge=0.0)
-    top_p: float = _f(0.8, gt=0.0, le=1.0)
-    top_k: int = _f(20, ge=0)
-    min_p: float = _f(0.0, ge=0.0, le=1.0)
-    max_tokens: int = _f(64, ge=1)
-    seed: int = _f(0, ge=0)
+    temperature: Annotated[Float, Field(ge=0.0)] = 0.7
+    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] = 0.8
+    top_k: Annotated[Int, Field(ge=0)] = 20
+    min_p: Annotated[Float, Field(ge=0.0, le=1.0)] = 0.0
+    max_tokens: Annotated[Int, Field(ge=1)] = 64
+    seed: Annotated[Int, Field(ge=0)] = 0
 
 
-@dataclass
+@section
 class RegenConfig:
     # local: the target in this process, batches fixed by the rows (reproducible; deepspec.data.generate)
     backend: Literal["local", "transformers", "sglang", "openai"] = "local"
-    urls: list[str] = _f(factory=list)
-    model: str = ""
-    fraction: float = _f(0.5, gt=0.0, le=1.0)
-    concurrency: int = _f(32, ge=1)
-    timeout_s: float = _f(120.0, gt=0.0)
-    max_retries: int = _f(4, ge=0)
-    backoff_s: float = _f(0.5, ge=0.0)
-    max_error_fraction: float = _f(0.02, ge=0.0, le=1.0)
-    disable_thinking: bool = True
-    launch_servers: int = _f(0, ge=0)
-    server_port: int = _f(0, ge=0, le=65535)
-    server_start_timeout_s: float = _f(300.0, gt=0.0)
-    api_key_env: str = "OPENAI_API_KEY"
+    urls: list[Str] = field(default_factory=list)
+    model: Str = ""
+    fraction: Annotated[Float, Field(gt=0.0, le=1.0)] = 0.5
+    concurrency: Annotated[Int, Field(ge=1)] = 32
+    timeout_s: Annotated[Float, Field(gt=0.0)] = 120.0
+    max_retries: Annotated[Int, Field(ge=0)] = 4
+    backoff_s: Annotated[Float, Field(ge=0.0)] = 0.5
+    max_error_fraction: Annotated[Float, Field(ge=0.0, le=1.0)] = 0.02
+    disable_thinking: Bool = True
+    launch_servers: Annotated[Int, Field(ge=0)] = 0
+    server_port: Annotated[Int, Field(ge=0, le=65535)] = 0
+    server_start_timeout_s: Annotated[Float, Field(gt=0.0)] = 300.0
+    api_key_env: Str = "OPENAI_API_KEY"
     # sglang servers this stage launches run with --enable-deterministic-inference (slower, but the
     # same params give the same answers, so the cache downstream is reused)
-    deterministic: bool = True
+    deterministic: Bool = True
 
 
-@dataclass
+@section
 class CacheConfig:
-    launcher: str = "python"          # the stage's command prefix, e.g. "torchrun --nproc-per-node 8"
-    url: str = "data/cache.zarr"
+    launcher: Str = "python"          # the stage's command prefix, e.g. "torchrun --nproc-per-node 8"
+    url: Str = "data/cache.zarr"
     format: Literal["zarr", "hdf5"] = "zarr"
     dtype: Literal["bfloat16", "fp8"] = "bfloat16"
     codec: Literal["none", "blosc-zstd", "blosc-lz4"] = "none"
-    max_length: int = _f(1024, ge=8)
+    max_length: Annotated[Int, Field(ge=8)] = 1024
     # a conversation over max_length tokens: cut after the last whole answer that fits, cut at exactly
     # max_length (mid-answer), or dropped
     overlong: Literal["cut_turn", "truncate", "drop"] = "cut_turn"
     # a row whose answer was cut by sampling.max_tokens: keep it (that end of turn gets no loss) or drop it
     truncated: Literal["keep", "drop"] = "keep"
-    batch_tokens: int = _f(8192, ge=64)
-    part_tokens: int = _f(65536, ge=1)
-    shard_bytes: int = _f(512 * 2**20, ge=2**16)
-    chunk_tokens: int = _f(64, ge=1)
-    storage_options: dict[str, Any] = _f(factory=dict)
-    threads: int = _f(0, ge=0)
+    batch_tokens: Annotated[Int, Field(ge=64)] = 8192
+    part_tokens: Annotated[Int, Field(ge=1)] = 65536
+    shard_bytes: Annotated[Int, Field(ge=2**16)] = 512 * 2**20
+    chunk_tokens: Annotated[Int, Field(ge=1)] = 64
+    storage_options: dict[Str, Any] = field(default_factory=dict)
+    threads: Annotated[Int, Field(ge=0)] = 0
     # multi-rank: how long a collective (the index shares, the store snapshot, the barriers) waits for
     # the slowest rank before the job fails; raise it for inputs whose share takes a rank longer
-    collective_timeout_s: int = _f(1800, ge=10)
+    collective_timeout_s: Annotated[Int, Field(ge=10)] = 1800
     # where a store of new content may be derived from instead of running the target
     # (deepspec.cache.derive): "" = the store at a local url / the lake's other stores; a path or
     # s3:// URL = that store; "none" = always compute
-    derive_from: str = ""
+    derive_from: Str = ""
 
 
-@dataclass
+@section
 class TrainConfig:
-    launcher: str = "python"
+    launcher: Str = "python"
     algorithm: Literal["dspark", "dflash", "eagle3"] = "dspark"
-    layers: list[int] | None = None   # eagle3 takes exactly three (null: the lowest, middle and highest cached)
-    block_size: int = _f(4, ge=2)
-    draft_layers: int = _f(1, ge=1)
-    markov_rank: int = _f(64, ge=1)
+    layers: list[Int] | None = None   # eagle3 takes exactly three (null: the lowest, middle and highest cached)
+    block_size: Annotated[Int, Field(ge=2)] = 4
+    draft_layers: Annotated[Int, Field(ge=1)] = 1
+    markov_rank: Annotated[Int, Field(ge=1)] = 64
     # mask slots = the target's embedding row of this reserved token (frozen), as speculators and dflash
     # build them; null = the target tokenizer's mask token, else its first unused embedding row;
     # -1 = a learned mask vector instead (no serving engine can load that: export refuses it)
-    mask_token_id: int | None = _f(None, ge=-1)
+    mask_token_id: Annotated[Int | None, Field(ge=-1)] = None
     # true: slot k predicts token a+k+1 (γ drafts; DSpark's convention); false: slot 0's output is
     # unused and slot k predicts token a+k (γ-1 drafts; the dflash package's layout); null = the
     # algorithm's default (dspark: true, dflash: false), as in speculators
-    sample_from_anchor: bool | None = None
+    sample_from_anchor: Bool | None = None
     # eagle3: chain steps unrolled in training (the training-time test) and drafted per round in eval
-    ttt_steps: int = _f(4, ge=1)
+    ttt_steps: Annotated[Int, Field(ge=1)] = 4
     # eagle3: reduced draft vocabulary, the most frequent loss tokens of the cache (d2t/t2d); capped at the
     # target's vocabulary
-    draft_vocab_size: int = _f(2048, ge=1)
-    anchors_per_sample: int = _f(16, ge=1)
-    batch_size: int = _f(8, ge=1)
-    grad_accum: int = _f(1, ge=1)
-    steps: int = _f(1000, ge=1)
-    lr: float = _f(3e-3, gt=0.0)
-    min_lr_ratio: float = _f(0.1, ge=0.0, le=1.0)
-    warmup_steps: int = _f(50, ge=0)
+    draft_vocab_size: Annotated[Int, Field(ge=1)] = 2048
+    anchors_per_sample: Annotated[Int, Field(ge=1)] = 16
+    batch_size: Annotated[Int, Field(ge=1)] = 8
+    grad_accum: Annotated[Int, Field(ge=1)] = 1
+    steps: Annotated[Int, Field(ge=1)] = 1000
+    lr: Annotated[Float, Field(gt=0.0)] = 3e-3
+    min_lr_ratio: Annotated[Float, Field(ge=0.0, le=1.0)] = 0.1
+    warmup_steps: Annotated[Int, Field(ge=0)] = 50
     schedule: Literal["cosine", "sgdr", "constant"] = "cosine"
-    sgdr_period: int = _f(100, ge=1)
-    sgdr_mult: float = _f(2.0, ge=1.0)
-    weight_decay: float = _f(0.0, ge=0.0)
-    grad_clip: float = _f(1.0, ge=0.0)
-    ce_weight: float = _f(0.1, ge=0.0)
-    l1_weight: float = _f(0.9, ge=0.0)
-    conf_weight: float = _f(1.0, ge=0.0)
-    decay_gamma: float = _f(4.0, gt=0.0)
-    checkpoint_every: int = _f(500, ge=1)
-    keep_checkpoints: int = _f(2, ge=1)
-    num_workers: int = _f(0, ge=0)
+    sgdr_period: Annotated[Int, Field(ge=1)] = 100
+    sgdr_mult: Annotated[Float, Field(ge=1.0)] = 2.0
+    weight_decay: Annotated[Float, Field(ge=0.0)] = 0.0
+    grad_clip: Annotated[Float, Field(ge=0.0)] = 1.0
+    ce_weight: Annotated[Float, Field(ge=0.0)] = 0.1
+    l1_weight: Annotated[Float, Field(ge=0.0)] = 0.9
+    conf_weight: Annotated[Float, Field(ge=0.0)] = 1.0
+    decay_gamma: Annotated[Float, Field(gt=0.0)] = 4.0
+    checkpoint_every: Annotated[Int, Field(ge=1)] = 500
+    keep_checkpoints: Annotated[Int, Field(ge=1)] = 2
+    num_workers: Annotated[Int, Field(ge=0)] = 0
     # cache on S3: byte-range requests the loader keeps in flight (a batch's arrays, cut to 4 MB);
     # one stream gives ~50-100 MB/s, a GPU training a Qwen3-4B draft reads ~1 GB/s
-    read_ahead: int = _f(16, ge=1)
-    seed: int = _f(0, ge=0)
-    threads: int = _f(0, ge=0)
+    read_ahead: Annotated[Int, Field(ge=1)] = 16
+    seed: Annotated[Int, Field(ge=0)] = 0
+    threads: Annotated[Int, Field(ge=0)] = 0
 
 
-@dataclass
+@section
 class SuiteConfig:
     """One named prompt set of the eval stage (see deepspec/evaluate/suites.py)."""
-    source: str = "heldout"           # heldout | humaneval | mtbench | path/to/file.jsonl ({"turns": [...]} rows)
-    name: str = ""                    # "" = the source's name (a file's stem)
-    max_prompts: int = _f(0, ge=0)    # 0 = every prompt of the suite
+    source: Str = "heldout"           # heldout | humaneval | mtbench | path/to/file.jsonl ({"turns": [...]} rows)
+    name: Str = ""                    # "" = the source's name (a file's stem)
+    max_prompts: Annotated[Int, Field(ge=0)] = 0    # 0 = every prompt of the suite
 
     def __post_init__(self) -> None:
         self.name = self.name or suite_name(self.source)
@@ -199,14 +209,14 @@ def _default_suites() -> list[SuiteConfig]:
             SuiteConfig("mtbench", max_prompts=4)]
 
 
-@dataclass
+@section
 class EvalConfig:
-    suites: list[SuiteConfig] = _f(factory=_default_suites)
-    max_new_tokens: int = _f(64, ge=1)  # per user turn
-    thinking: bool = False              # the chat template's enable_thinking switch
-    sample: bool = True
-    confidence_threshold: float = _f(0.0, ge=0.0, le=1.0)
-    threads: int = _f(0, ge=0)
+    suites: list[SuiteConfig] = field(default_factory=_default_suites)
+    max_new_tokens: Annotated[Int, Field(ge=1)] = 64  # per user turn
+    thinking: Bool = False              # the chat template's enable_thinking switch
+    sample: Bool = True
+    confidence_threshold: Annotated[Float, Field(ge=0.0, le=1.0)] = 0.0
+    threads: Annotated[Int, Field(ge=0)] = 0
 
     def __post_init__(self) -> None:
         if not self.suites:
@@ -225,20 +235,20 @@ def suite_name(source: str) -> str:
 EXPORT_FORMATS = ("speculators", "dflash", "sglang-eagle3")
 
 
-@dataclass
+@section
 class ExportConfig:
-    formats: list[Literal["speculators", "dflash", "sglang-eagle3"]] = _f(factory=lambda: list(EXPORT_FORMATS))
+    formats: list[Literal["speculators", "dflash", "sglang-eagle3"]] = field(default_factory=lambda: list(EXPORT_FORMATS))
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    verifier: str = ""        # "" = the hub id for hf: targets, the target model directory otherwise
+    verifier: Str = ""        # "" = the hub id for hf: targets, the target model directory otherwise
 
     def __post_init__(self) -> None:
         if len(set(self.formats)) != len(self.formats):
             raise ConfigError(f"formats: listed twice in {self.formats}")
 
 
-@dataclass
+@section
 class Params:
-    layers: list[int] = _f(factory=lambda: [1, 9, 17, 25, 33])
+    layers: list[Int] = field(default_factory=lambda: [1, 9, 17, 25, 33])
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     split: SplitConfig = field(default_factory=SplitConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -277,100 +287,65 @@ class Params:
         return list(self.layers)
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+# pydantic's error types, said the way this file's readers (and its tests) know them
+MESSAGES = {"int_type": "expected an integer", "float_type": "expected a number", "bool_type": "expected true/false",
+            "string_type": "expected a string", "list_type": "expected a list", "dict_type": "expected a mapping",
+            "dataclass_type": "expected a mapping"}
+BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"), "less_than_equal": ("le", "<="),
+          "less_than": ("lt", "<")}
 
 
-def _convert(value: Any, tp: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(value, arg, path)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {tp}")
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{path}: {value!r} is not one of {list(choices)}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{path}: expected a list, got {value!r}")
-        (item_tp,) = typing.get_args(tp)
-        return [_convert(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
-        return dict(value)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true/false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {value!r}")
-        return value
-    raise ConfigError(f"{path}: unsupported type {_type_name(tp)}")
+def _key_path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part != "[key]":
+            out += f".{part}" if out else str(part)
+    return out
 
 
-def _check_range(value: Any, meta: typing.Mapping, path: str) -> None:
-    if value is None or isinstance(value, (str, bool)) or not isinstance(value, (int, float)):
-        return
-    for op, bound in meta.items():
-        ok = {"ge": value >= bound, "gt": value > bound, "le": value <= bound, "lt": value < bound}[op]
-        if not ok:
-            sym = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}[op]
-            raise ConfigError(f"{path}: must be {sym} {bound}, got {value!r}")
+def _section_at(loc: tuple) -> type:
+    """The type a key path leads to: a section's dataclass, or a leaf's type (lists, bounds, None stripped)."""
+    cls: Any = Params
+    for part in loc:
+        if isinstance(part, str) and dataclasses.is_dataclass(cls):
+            cls = typing.get_type_hints(cls)[part]
+        while typing.get_origin(cls) in (list, Annotated) or typing.get_origin(cls) is typing.Union:
+            cls = next(a for a in typing.get_args(cls) if a is not type(None))
+    return cls
 
 
-def _build(cls: type, raw: Any, path: str) -> Any:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path or 'params'}: expected a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        where = f"{path}." if path else ""
-        raise ConfigError(f"{where}{unknown[0]}: unknown key (known: {sorted(fields)})")
-    kwargs = {}
-    for name, value in raw.items():
-        key = f"{path}.{name}" if path else name
-        converted = _convert(value, hints[name], key)
-        _check_range(converted, fields[name].metadata, key)
-        if isinstance(converted, list):
-            for i, v in enumerate(converted):
-                _check_range(v, fields[name].metadata, f"{key}[{i}]")
-        kwargs[name] = converted
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:
-        raise ConfigError(f"{path}.{e}" if path else str(e)) from None
+def _message(error: dict) -> str:
+    loc, kind, value = error["loc"], error["type"], error.get("input")
+    path = _key_path(loc)
+    if kind == "value_error":  # a section's own check (__post_init__): its message starts at the section
+        why = str(error["ctx"]["error"])
+        return f"{path}.{why}" if path else why
+    if kind == "unexpected_keyword_argument":
+        known = sorted(f.name for f in dataclasses.fields(_section_at(loc[:-1])))
+        return f"{path}: unknown key (known: {known})"
+    if kind in BOUNDS:
+        name, sym = BOUNDS[kind]
+        return f"{path}: must be {sym} {error['ctx'][name]}, got {value!r}"
+    if kind == "literal_error":
+        return f"{path}: {value!r} is not one of {list(typing.get_args(_section_at(loc)))}"
+    if kind in MESSAGES:
+        return f"{path or 'params'}: {MESSAGES[kind]}, got {value!r}"
+    return f"{path or 'params'}: {error['msg']}, got {value!r}"
+
+
+@functools.cache
+def _validator() -> TypeAdapter:
+    return TypeAdapter(Params)
 
 
 def params_from_dict(raw: Any) -> Params:
-    return _build(Params, raw, "")
+    try:
+        return _validator().validate_python({} if raw is None else raw)
+    except ValidationError as e:
+        messages = [_message(err) for err in e.errors()]
+        raise ConfigError("; ".join(messages)) from None
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deepspec.config import ConfigError, ExportConfig, load_params, params_from_dict
+from deepspec.config import ConfigError, ExportConfig, TrainConfig, load_params, params_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,6 +36,11 @@ def test_repo_params_load_with_reference_layers():
     ({"train": {"sample_from_anchor": "yes"}}, "train.sample_from_anchor: expected true/false, got 'yes'"),
     ({"export": {"formats": ["vllm"]}}, "export.formats[0]: 'vllm' is not one of"),
     ({"export": {"formats": ["dflash", "dflash"]}}, "export.formats: listed twice"),
+    # no coercion: a quoted number, a float for an integer, yes/no for a boolean are what YAML says they are
+    ({"train": {"lr": "0.001"}}, "train.lr: expected a number, got '0.001'"),
+    ({"train": {"steps": 10.0}}, "train.steps: expected an integer, got 10.0"),
+    ({"eval": {"sample": "no"}}, "eval.sample: expected true/false, got 'no'"),
+    ({"regen": {"urls": [8000]}}, "regen.urls[0]: expected a string, got 8000"),
 ])
 def test_bad_params_name_key_and_value(raw, message):
     with pytest.raises(ConfigError) as e:
@@ -50,6 +55,16 @@ def test_error_names_the_file(tmp_path):
         load_params(f)
     with pytest.raises(ConfigError, match="file not found"):
         load_params(tmp_path / "missing.yaml")
+
+
+def test_every_bad_key_is_named_at_once(tmp_path):
+    f = tmp_path / "params.yaml"
+    f.write_text(yaml.safe_dump({"sampling": {"top_k": -1, "top_p": 0}, "train": {"stpes": 5}}))
+    with pytest.raises(ConfigError) as e:
+        load_params(f)
+    assert [m.strip() for m in str(e.value).split(";")] == [
+        f"{f}: sampling.top_p: must be > 0.0, got 0", "sampling.top_k: must be >= 0, got -1",
+        "train.stpes: unknown key (known: " + str(sorted(TrainConfig.__dataclass_fields__)) + ")"]
 
 
 def test_train_layer_subset_and_int_to_float():
