@@ -38,7 +38,7 @@ def random_target(out: Path, rows: list[dict]) -> Path:
     from deepspec.config import TinyTargetConfig
     from deepspec.io import write_json
     from deepspec.models.target import identity
-    from deepspec.models.tiny import build_config, build_tokenizer, conversation_text
+    from deepspec.embedded.tiny import build_config, build_tokenizer, conversation_text
 
     cfg = TinyTargetConfig()
     tok = build_tokenizer([conversation_text(r["conversations"]) for r in rows[:2000]], cfg.vocab_size)
@@ -88,7 +88,7 @@ def main() -> None:
     try:
         if args.target is None:
             from deepspec.config import SplitConfig
-            from deepspec.data.split import builtin_train_rows
+            from deepspec.embedded.corpus import builtin_train_rows
 
             rows = builtin_train_rows(SplitConfig())
             target = random_target(root / "target", rows)

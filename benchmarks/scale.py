@@ -99,7 +99,7 @@ def synthetic_target(out: Path, hidden: int = 2560) -> Path:
 
     from deepspec.io import write_json
     from deepspec.models.target import default_generation_config, identity
-    from deepspec.models.tiny import build_tokenizer, conversation_text
+    from deepspec.embedded.tiny import build_tokenizer, conversation_text
 
     tok = build_tokenizer([conversation_text(r["conversations"]) for r in synthetic_rows(200, 400)], 512)
     cfg = Qwen3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
@@ -323,7 +323,7 @@ def big_target(out: Path, layers: int) -> Path:
 
     from deepspec.io import write_json
     from deepspec.models.target import default_generation_config, identity
-    from deepspec.models.tiny import build_tokenizer, conversation_text
+    from deepspec.embedded.tiny import build_tokenizer, conversation_text
 
     tok = build_tokenizer([conversation_text(r["conversations"]) for r in synthetic_rows(200, 400)], 512)
     cfg = Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=layers,

@@ -24,7 +24,7 @@ from deepspec.data.chat_client import Endpoint
 from deepspec.data.journal import Journal
 from deepspec.data.regen import model_eos, request_token_bound, run_regen
 from deepspec.data.servers import cb_budget, launch_transformers_serve
-from deepspec.data.split import builtin_train_rows
+from deepspec.embedded.corpus import builtin_train_rows
 
 
 def build_default_shaped_target(out: Path, rows: list[dict]) -> Path:
@@ -32,7 +32,7 @@ def build_default_shaped_target(out: Path, rows: list[dict]) -> Path:
     from transformers import Qwen3ForCausalLM
 
     from deepspec.models.target import default_generation_config
-    from deepspec.models.tiny import build_config, build_tokenizer, conversation_text
+    from deepspec.embedded.tiny import build_config, build_tokenizer, conversation_text
 
     cfg = TinyTargetConfig()
     tok = build_tokenizer([conversation_text(r["conversations"]) for r in rows], cfg.vocab_size)

@@ -1,6 +1,7 @@
 """DVC stage `split`: source conversations -> data/split/{train,eval}.jsonl (see deepspec.data.split)."""
 import json
 
+import deepspec.embedded  # noqa: F401  (registers the builtin:chat source)
 from deepspec.data.sources import SourceError
 from deepspec.data.split import SplitError, run_split
 from deepspec.stage import StageError, run_stage

@@ -2,7 +2,8 @@
 import json
 from pathlib import Path
 
-from deepspec.data.split import builtin_synthetic_rows, builtin_train_rows
+from deepspec.embedded.corpus import builtin_synthetic_rows, builtin_train_rows
+from deepspec.embedded.tiny import train_tiny
 from deepspec.models.prepare import prepare_target
 from deepspec.models.target import TargetError
 from deepspec.stage import StageError, configure_threads, run_stage
@@ -13,11 +14,11 @@ def main(params):
     try:
         # `layers` is checked here only as a courtesy (before minutes of training); the stage
         # does not depend on it, so `dvc exp run -S layers=...` never retrains the target.
-        def corpus():
-            return builtin_train_rows(params.split) + builtin_synthetic_rows(params.split,
-                                                                            params.target.tiny.synthetic_rows)
+        def train_builtin_tiny(tiny, seed, out_dir):
+            rows = builtin_train_rows(params.split) + builtin_synthetic_rows(params.split, tiny.synthetic_rows)
+            return train_tiny(tiny, rows, seed, out_dir)
 
-        ident = prepare_target(params.target, params.layers, corpus, Path("data/target"))
+        ident = prepare_target(params.target, params.layers, train_builtin_tiny, Path("data/target"))
     except TargetError as e:
         raise StageError(str(e)) from None
     print(json.dumps(ident, indent=2))

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import deepspec.embedded  # noqa: F401  (registers the builtin:chat source the tests split)
+
 REPO = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -73,7 +75,7 @@ def make_model_dir(path: Path, num_layers: int = 4, hidden: int = 32, vocab: int
 
     from deepspec.config import TinyTargetConfig
     from deepspec.models.target import default_generation_config
-    from deepspec.models.tiny import build_config, build_tokenizer, conversation_text
+    from deepspec.embedded.tiny import build_config, build_tokenizer, conversation_text
 
     tok = build_tokenizer([conversation_text(c) for c in SAMPLE_CONVERSATIONS], vocab)
     cfg = TinyTargetConfig(hidden_size=hidden, num_layers=num_layers, num_heads=2, num_kv_heads=1,

@@ -243,7 +243,7 @@ def test_a_sampling_experiment_recomputes_the_cache_and_retrains(pipeline, tmp_p
 
 def test_growth_appends_parts_and_pushes_only_new_files(pipeline, remote, moto):
     # move the source to a file holding exactly the packaged corpus: nothing downstream changes
-    from deepspec.data.builtin import builtin_chat_rows
+    from deepspec.embedded.corpus import builtin_chat_rows
 
     src = pipeline / "sources" / "corpus.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in builtin_chat_rows()))

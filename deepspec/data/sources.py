@@ -11,7 +11,7 @@ import json
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from deepspec.config import ConfigError
 
@@ -256,19 +256,30 @@ def _hf_rows(spec: str, split: str) -> Iterator[RawRow]:
         yield RawRow(f"{spec}[{split}]#{i}", dict(obj))
 
 
-def iter_source(spec: str, hf_split: str = "train") -> Iterator[RawRow]:
-    if spec == "builtin:chat":
-        from deepspec.data.builtin import builtin_chat_rows
+# `builtin:<name>` sources: packaged corpora that register themselves here (`deepspec.embedded`
+# registers builtin:chat when imported), so this module never imports the embedded default
+BUILTIN_SOURCES: dict[str, Callable[[], Iterable[dict]]] = {}
 
-        for i, obj in enumerate(builtin_chat_rows()):
-            yield RawRow(f"builtin:chat#{i}", obj)
+
+def register_source(spec: str, rows: Callable[[], Iterable[dict]]) -> None:
+    """Make `split.source: <spec>` read the rows `rows()` gives (a `builtin:` name)."""
+    if not spec.startswith("builtin:"):
+        raise ValueError(f"a registered source is named builtin:<name>, got {spec!r}")
+    BUILTIN_SOURCES[spec] = rows
+
+
+def iter_source(spec: str, hf_split: str = "train") -> Iterator[RawRow]:
+    if spec in BUILTIN_SOURCES:
+        for i, obj in enumerate(BUILTIN_SOURCES[spec]()):
+            yield RawRow(f"{spec}#{i}", obj)
         return
     if spec.startswith("hf:"):
         yield from _hf_rows(spec, hf_split)
         return
     if spec.startswith("builtin:") or (":" in spec.split("/")[0] and not Path(spec).exists()):
+        builtins = ", ".join(sorted(BUILTIN_SOURCES)) or "builtin:chat once deepspec.embedded is imported"
         raise ConfigError(f"split.source: unknown source {spec!r} "
-                          "(use builtin:chat, hf:<dataset id or local dir>, or a .jsonl/.json/.parquet path, "
+                          f"(use {builtins}, hf:<dataset id or local dir>, or a .jsonl/.json/.parquet path, "
                           ".jsonl.gz/.json.gz compressed)")
     path = Path(spec)
     if not path.exists():

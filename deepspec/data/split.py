@@ -137,33 +137,6 @@ def check_result(result: SplitResult, cfg: SplitConfig) -> None:
                          f"(split.test_fraction = {cfg.test_fraction}); no train rows")
 
 
-def builtin_train_rows(cfg: SplitConfig) -> list[dict]:
-    """The train side of the packaged corpus under this split's seed and test fraction: what the
-    builtin target learns from, whatever `split.source` the pipeline later reads (so growing the data
-    lake never retrains the target, and the eval rows stay unseen)."""
-    from dataclasses import replace
-
-    return split_rows(replace(cfg, source="builtin:chat")).train
-
-
-def builtin_synthetic_rows(cfg: SplitConfig, n: int) -> list[dict]:
-    """`n` extra generated math/code/instruction rows (a different generator seed from the packaged
-    corpus) for the builtin target to learn the task formats from. Rows whose opening prompt falls on
-    the eval side of this split are dropped, so the eval prompts stay unseen by construction."""
-    from deepspec.data.builtin import SIZES, generated_rows
-    from deepspec.data.conversation import normalize_conversation
-
-    total = sum(SIZES.values())
-    sizes = {task: -(-n * k // total) for task, k in SIZES.items()}
-    rows = []
-    for raw in generated_rows(sizes, seed=cfg.seed + 1_000_003):
-        turns = normalize_conversation(raw)
-        if not is_eval(turns, cfg):
-            rows.append({"id": conversation_id(turns), "task": raw["task"],
-                         "source": raw["source"].replace("generated/", "synthetic/"), "conversations": turns})
-    return rows[:n]
-
-
 def run_split(cfg: SplitConfig, out_dir: str | Path = "data/split") -> dict:
     """Read the whole source first, then write every output atomically: a bad source leaves none."""
     result = split_rows(cfg)

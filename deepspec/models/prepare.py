@@ -16,11 +16,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from deepspec.config import ConfigError, TargetConfig
+from deepspec.config import ConfigError, TargetConfig, TinyTargetConfig
 from deepspec.hub import offline_hint
 from deepspec.io import write_json
 from deepspec.models.target import (TargetError, check_layers, default_generation_config, identity,
                                     num_hidden_layers, validate_model_dir)
+
+# (shape and budget, seed, output dir) -> the training metrics of `builtin:tiny`
+TinyTrainer = Callable[[TinyTargetConfig, int, Path], dict]
 
 COPY_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".jinja", ".py", ".tiktoken")
 
@@ -140,9 +143,11 @@ def download_hf(repo: str, dst: Path, layers: list[int]) -> None:
     _copy_model_dir(Path(path), dst)
 
 
-def prepare_target(cfg: TargetConfig, layers: list[int], corpus: Callable[[], list[dict]], out_dir: Path) -> dict:
+def prepare_target(cfg: TargetConfig, layers: list[int], train_tiny: TinyTrainer | None, out_dir: Path) -> dict:
     """Produce out_dir as a standard HF model dir plus identity.json and metrics.json.
-    `corpus()` gives the training conversations of `builtin:tiny` (called only for that source)."""
+    `train_tiny(cfg.tiny, cfg.seed, out_dir)` builds `builtin:tiny` and returns its metrics (called
+    only for that source; the embedded default's trainer, deepspec.embedded.tiny, is handed in so
+    this module does not depend on it)."""
     kind, arg = parse_source(cfg.source)
     if kind == "tiny":
         check_layers(layers, cfg.tiny.num_layers)
@@ -159,9 +164,10 @@ def prepare_target(cfg: TargetConfig, layers: list[int], corpus: Callable[[], li
     out_dir.mkdir(parents=True)
     metrics: dict = {"source": cfg.source}
     if kind == "tiny":
-        from deepspec.models.tiny import train_tiny
-
-        metrics |= train_tiny(cfg.tiny, corpus(), cfg.seed, out_dir)
+        if train_tiny is None:
+            raise TargetError("target.source: builtin:tiny is trained by the embedded default; pass its "
+                              "trainer (see stages/target.py)")
+        metrics |= train_tiny(cfg.tiny, cfg.seed, out_dir)
     elif kind == "smollm2":
         export_smollm2(out_dir)
     elif kind == "gemma3":

@@ -4,11 +4,9 @@ from pathlib import Path
 import pytest
 
 from deepspec.config import ConfigError, SplitConfig
-from deepspec.data.builtin import builtin_chat_rows, number_words
 from deepspec.data.conversation import RowRejected, normalize_conversation, normalize_prompt
 from deepspec.data.sources import SourceError
-from deepspec.data.split import (SplitError, builtin_synthetic_rows, prompt_key, run_split,
-                                 split_rows)
+from deepspec.data.split import SplitError, prompt_key, run_split, split_rows
 
 
 def conv(*pairs, system=None):
@@ -171,16 +169,6 @@ def test_rows_sharing_a_prompt_share_a_side():
     assert len(train_prompts) < len(res.train)
 
 
-def test_synthetic_rows_for_the_builtin_target_never_hold_an_eval_prompt():
-    cfg = SplitConfig(source="builtin:chat", seed=0, test_fraction=0.05)
-    extra = builtin_synthetic_rows(cfg, 1500)
-    assert 1300 < len(extra) <= 1500 and extra == builtin_synthetic_rows(cfg, 1500)
-    assert {r["source"] for r in extra} == {"synthetic/math", "synthetic/code", "synthetic/instruction"}
-    eval_prompts = {normalize_prompt(r["turns"][0]) for r in split_rows(cfg).eval}
-    assert not eval_prompts & {prompt_key(r["conversations"]) for r in extra}
-    assert builtin_synthetic_rows(cfg, 0) == []
-
-
 def test_growth_never_moves_existing_rows(tmp_path):
     src = write_jsonl(tmp_path / "src.jsonl", GOOD[:20])
     cfg = SplitConfig(source=str(src), seed=0, test_fraction=0.3)
@@ -211,14 +199,6 @@ def test_parquet_and_local_hf_dataset(tmp_path):
     assert len(from_parquet.train) == 10
     with pytest.raises(SourceError, match="cannot load dataset"):
         split_rows(SplitConfig(source=f"hf:{tmp_path / 'missing'}"))
-
-
-def test_builtin_corpus_covers_four_tasks():
-    rows = list(builtin_chat_rows())
-    tasks = {r["task"] for r in rows}
-    assert tasks == {"chat", "code", "math", "instruction"}
-    assert sum(r["source"].startswith("chatterbot/") for r in rows) == 2026
-    assert number_words(342) == "three hundred and forty-two"
 
 
 def test_a_pretty_printed_json_array_splits_like_the_same_rows_as_jsonl(tmp_path):

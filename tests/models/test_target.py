@@ -10,8 +10,11 @@ from tests.conftest import SAMPLE_CONVERSATIONS, make_model_dir
 
 
 def corpus():
-    """The corpus callable prepare_target takes (only builtin:tiny calls it)."""
-    return lambda: [{"id": f"r{i}", "conversations": conv} for i, conv in enumerate(SAMPLE_CONVERSATIONS)]
+    """The builtin:tiny trainer prepare_target takes (only that source calls it), on the test conversations."""
+    from deepspec.embedded.tiny import train_tiny
+
+    rows = [{"id": f"r{i}", "conversations": conv} for i, conv in enumerate(SAMPLE_CONVERSATIONS)]
+    return lambda tiny, seed, out_dir: train_tiny(tiny, rows, seed, out_dir)
 
 
 def assert_sampling_defaults(gen):

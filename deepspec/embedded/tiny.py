@@ -22,7 +22,7 @@ from deepspec.config import TinyTargetConfig
 from deepspec.data.split import prompt_key
 from deepspec.data.template import encode_conversation
 from deepspec.io import hash_unit
-from deepspec.models.muon import Muon
+from deepspec.embedded.muon import Muon
 from deepspec.models.target import default_generation_config
 from deepspec.progress import progress
 

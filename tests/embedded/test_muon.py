@@ -1,7 +1,7 @@
 """The tiny target's Muon: torch.optim.Muon's update, orthogonalised in a dtype the CPU runs fast."""
 import torch
 
-from deepspec.models.muon import Muon
+from deepspec.embedded.muon import Muon
 
 
 def _run(opt_cls, steps=4, **kw):
