@@ -24,6 +24,7 @@ from deepspec.cache.build import build_cache
 from deepspec.config import CacheConfig, EvalConfig, SamplingConfig, TargetConfig, TinyTargetConfig, TrainConfig
 from deepspec.evaluate.run import evaluate
 from deepspec.io import write_jsonl
+from deepspec.embedded.tiny import trainer_on
 from deepspec.models.prepare import prepare_target
 from deepspec.train.run import new_draft, run_training
 
@@ -42,7 +43,7 @@ def main() -> None:
     rows = [{"id": f"{i + 1:016x}", "conversations": c} for i, c in enumerate(SAMPLE_CONVERSATIONS)]
     target = work / "target"
     if not (target / "identity.json").exists():
-        prepare_target(TargetConfig(tiny=TinyTargetConfig(**SMALL_TINY)), LAYERS, lambda: rows, target)
+        prepare_target(TargetConfig(tiny=TinyTargetConfig(**SMALL_TINY)), LAYERS, trainer_on(rows), target)
     cache = work / "cache.zarr"
     if not (cache / "zarr.json").exists():
         write_jsonl(work / "regen.jsonl", ({"id": r["id"], "conversations": r["conversations"]} for r in rows))

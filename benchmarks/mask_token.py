@@ -24,6 +24,7 @@ from deepspec.config import CacheConfig, EvalConfig, SamplingConfig, SplitConfig
 from deepspec.data.split import split_rows
 from deepspec.evaluate.run import evaluate, interleave_tasks
 from deepspec.io import write_jsonl
+from deepspec.embedded.tiny import trainer_on
 from deepspec.models.prepare import prepare_target
 from deepspec.train.run import run_training
 
@@ -58,7 +59,7 @@ def main() -> None:
     tiny, rows, prompts, layers = (small_setup if args.scale == "small" else corpus_setup)(work, args.prompts)
     target = work / "target"
     if not (target / "identity.json").exists():
-        prepare_target(TargetConfig(tiny=tiny), layers, lambda: rows, target)
+        prepare_target(TargetConfig(tiny=tiny), layers, trainer_on(rows), target)
     cache = work / "cache.zarr"
     if not (cache / "zarr.json").exists():
         write_jsonl(work / "regen.jsonl", ({"id": r["id"], "conversations": r["conversations"]} for r in rows))

@@ -36,6 +36,10 @@ Each section is one function registered with `@section`; `--only` runs a subset.
              vs parts, files per part and per TB: benchmarks/scale_index.py (its own options there).
   s3         S3 read throughput vs requests in flight through a throttling proxy in front of moto:
              benchmarks/scale_s3.py.
+  split_rss  peak RSS above baseline of the split stage vs source rows (--regen-rows, answers of
+             --row-chars), streamed to its files vs every kept row held in lists (what it did before).
+  stages     every stage in one table: split and regen at --regen-rows, cache at --rows, train at
+             --stage-accum, each with its log-log slope (0 = flat).
   dvc        `dvc add` / `dvc status` / `dvc push` (to moto) time vs files in a store, extrapolated
              to the reference cache's file counts: benchmarks/scale_dvc.py.
 The delegated sections run as their own scripts (their options: `--help` of each).
@@ -304,6 +308,56 @@ def regen_rss(args) -> None:
           f"({args.row_chars}-char answers)", ["mode", "rows", "MB above baseline", "vs smallest", "wall s"], out)
 
 
+# ---- split ---------------------------------------------------------------------------------------
+def split_child(spec: dict) -> None:
+    """The split stage on a source file in this (fresh) process; prints its memory as JSON."""
+    import gc
+
+    from deepspec.config import SplitConfig
+    from deepspec.data.split import run_split, split_rows
+    from deepspec.io import write_jsonl
+
+    cfg = SplitConfig(source=spec["source"])
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    base = status_kb("VmRSS")
+    t0 = time.time()
+    if spec["mode"] == "held":  # every kept row in lists, then written (what the stage did before it streamed)
+        result = split_rows(cfg)
+        for name in ("train", "eval", "rejected"):
+            write_jsonl(Path(spec["out"]) / f"{name}.jsonl", getattr(result, name))
+    else:
+        run_split(cfg, spec["out"])
+    print(json.dumps({"baseline_kb": base, "peak_kb": status_kb("VmHWM"), "wall_s": round(time.time() - t0, 1)}))
+
+
+def run_split_rss(root: Path, rows: int, mode: str, args) -> dict:
+    source = root / f"source-{rows}.jsonl"
+    if not source.exists():
+        with open(source, "w") as f:
+            for r in synthetic_rows(rows, args.row_chars, seed=5):
+                f.write(json.dumps(r) + "\n")
+    spec = {"source": str(source), "out": str(root / f"split-{rows}-{mode}"), "mode": mode}
+    return run_child("--split-child", spec, REPO, root, f"split at {rows} rows")
+
+
+@section
+def split_rss(args) -> None:
+    sizes = [int(s) for s in args.regen_rows.split(",")]
+    out = []
+    with tempfile.TemporaryDirectory(prefix="scale-split-") as tmp:
+        for mode in ("streamed", "held"):
+            first = None
+            for n in sizes:
+                r = run_split_rss(Path(tmp), n, mode, args)
+                above = (r["peak_kb"] - r["baseline_kb"]) / 1024
+                first = first if first is not None else above
+                out.append([mode, n, round(above, 1), f"{above / first:.2f}x", r["wall_s"]])
+                print(f"  {mode} {n}: {json.dumps(r)}", file=sys.stderr)
+    table(f"split stage: peak RSS above baseline vs source rows ({args.row_chars}-char answers)",
+          ["mode", "rows", "MB above baseline", "vs smallest", "wall s"], out)
+
+
 # ---- train ---------------------------------------------------------------------------------------
 def run_child(flag: str, spec: dict, code: Path, cwd, what: str) -> dict:
     """This script's `flag` child in a fresh process importing `code`; its last stdout line as JSON."""
@@ -414,16 +468,14 @@ def train_accum_child(spec: dict) -> None:
     print(json.dumps({"baseline_kb": base, "peak_kb": status_kb("VmHWM"), "wall_s": round(time.time() - t0, 1)}))
 
 
-@section
-def train_accum_rss(args) -> None:
+def accum_sweep(args, accums: list[int], codes: list[tuple[str, Path]]) -> list[tuple[str, int, dict]]:
+    """(code label, grad_accum, child result) for each code and grad_accum, on one cache."""
     import shutil
 
     from deepspec.cache.build import build_cache
     from deepspec.config import CacheConfig
 
-    accums = [int(a) for a in args.accum.split(",")]
-    codes = [("this", REPO)] + ([("--code", Path(args.code).resolve())] if args.code else [])
-    rows = []
+    out = []
     with tempfile.TemporaryDirectory(prefix="scale-accum-") as tmp:
         root = Path(tmp)
         target = synthetic_target(root / "target")
@@ -435,7 +487,6 @@ def train_accum_rss(args) -> None:
         cache = root / "cache.zarr"
         build_cache(CacheConfig(url=str(cache), max_length=args.train_tokens, part_tokens=65536), [-1], regen, target)
         for label, code in codes:
-            first = None
             for a in accums:
                 run = root / f"run-{label}-{a}"
                 # the same micro-batches at every grad_accum (2 steps of the largest): only how they are
@@ -444,13 +495,53 @@ def train_accum_rss(args) -> None:
                         "batch": args.train_batch, "steps": 2 * max(accums) // a, "threads": args.threads}
                 r = run_child("--train-accum-child", spec, code, tmp, f"training at grad_accum {a}")
                 print(f"  {label} {a}: {json.dumps(r)}", file=sys.stderr)
-                above = (r["peak_kb"] - r["baseline_kb"]) / 1024
-                first = first if first is not None else above
-                rows.append([label, a, round(above, 1), f"{above / first:.2f}x", r["wall_s"]])
+                out.append((label, a, r))
                 shutil.rmtree(run, ignore_errors=True)
+    return out
+
+
+@section
+def train_accum_rss(args) -> None:
+    accums = [int(a) for a in args.accum.split(",")]
+    codes = [("this", REPO)] + ([("--code", Path(args.code).resolve())] if args.code else [])
+    rows, first = [], {}
+    for label, a, r in accum_sweep(args, accums, codes):
+        above = (r["peak_kb"] - r["baseline_kb"]) / 1024
+        first.setdefault(label, above)
+        rows.append([label, a, round(above, 1), f"{above / first[label]:.2f}x", r["wall_s"]])
     table(f"train stage: peak RSS above baseline over {2 * max(accums)} micro-batches vs grad_accum (micro-batch {args.train_batch} x "
           f"{args.train_tokens} tokens, H=2560, layers [-1])", ["code", "grad_accum", "above_MB", "vs first", "wall_s"],
           rows)
+
+
+# ---- every stage in one table --------------------------------------------------------------------
+@section
+def stages(args) -> None:
+    """Each stage's peak RSS above its post-import baseline at three sizes spanning >= 10x, in one
+    table with the log-log slope (0: flat; 1: grows with the size)."""
+    import math
+
+    three = [int(s) for s in args.regen_rows.split(",")]
+    sweeps: list[tuple[str, str, list[int], list[dict]]] = []
+    with tempfile.TemporaryDirectory(prefix="scale-stages-") as tmp:
+        root = Path(tmp)
+        sweeps.append(("split", "source rows", three, [run_split_rss(root, n, "streamed", args) for n in three]))
+        sweeps.append(("regen", "journal rows", three, [run_regen_rss(root, n, "streamed", args) for n in three]))
+    rows_sizes = [int(s) for s in args.rows.split(",")]
+    _, cache = rss_sweep(args, rows_sizes, lambda code, root, target, n: run_cache(code, root, target, n, args))
+    sweeps.append(("cache", "regen rows", rows_sizes, [cache[("this", n)] for n in rows_sizes]))
+    accums = [int(a) for a in args.stage_accum.split(",")]
+    sweeps.append(("train", "grad_accum", accums, [r for _, _, r in accum_sweep(args, accums, [("this", REPO)])]))
+    out = []
+    for stage, axis, sizes, results in sweeps:
+        above = [max((r["peak_kb"] - r["baseline_kb"]) / 1024, 0.1) for r in results]
+        slope = math.log(above[-1] / above[0]) / math.log(sizes[-1] / sizes[0])
+        out.append([stage, axis, " / ".join(f"{s:,}" for s in sizes), " / ".join(f"{a:.1f}" for a in above),
+                    f"{above[-1] / above[0]:.2f}x", f"{slope:.2f}", " / ".join(str(r["wall_s"]) for r in results)])
+    table("every stage: peak RSS above the post-import baseline (MB) at three sizes; slope = d log(MB) / d log(size)",
+          ["stage", "size", "sizes", "MB above baseline", "last vs first", "slope", "wall s"], out)
+    print("(train, draft init, vs the target's size: section train_init_rss; the EAGLE-3 loss at V = 151,936: "
+          "benchmarks/eagle3_memory.py)")
 
 
 @section
@@ -481,17 +572,23 @@ def main() -> None:
     ap.add_argument("--part-sizes", default="2048,8192,32768", help="part_rss: cache.part_tokens values")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--code", help="cache_rss: also run the stage from this checkout, side by side")
-    ap.add_argument("--regen-rows", default="10000,30000,100000", help="regen_rss: journal row counts")
+    ap.add_argument("--regen-rows", default="10000,30000,100000", help="regen_rss: journal row counts; split_rss: "
+                    "source row counts")
     ap.add_argument("--init-layers", type=int, default=7, help="train_init_rss: decoder layers of the target "
                     "(7: 2.2 GB of bf16 weights)")
     ap.add_argument("--accum", default="1,64", help="train_accum_rss: grad_accum values")
+    ap.add_argument("--stage-accum", default="1,8,64", help="stages: grad_accum values of the train row")
     ap.add_argument("--train-batch", type=int, default=1, help="train_accum_rss: train.batch_size")
     ap.add_argument("--train-tokens", type=int, default=1024, help="train_accum_rss: tokens per sample")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--train-init-child", help=argparse.SUPPRESS)
     ap.add_argument("--train-accum-child", help=argparse.SUPPRESS)
     ap.add_argument("--regen-child", help=argparse.SUPPRESS)
+    ap.add_argument("--split-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.split_child:
+        split_child(json.loads(args.split_child))
+        return
     if args.child:
         cache_child(json.loads(args.child))
         return

@@ -5,9 +5,11 @@ import contextlib
 import hashlib
 import json
 import os
+import sqlite3
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 
 def canonical_json(obj: Any) -> str:
@@ -89,3 +91,54 @@ def hash_unit(*parts: Any) -> float:
     """A deterministic number in [0, 1) from `parts`: stable row selection that survives growth."""
     digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
+
+
+# IdIndex's page cache in KiB. Lookups that miss it are reads of the temporary file (the OS's
+# page cache, not this process's memory): a bounded cost per lookup instead of memory per row.
+INDEX_CACHE_KIB = 256
+
+
+class IdIndex:
+    """A set of string ids, each with an integer (a byte offset, a line number), whose memory does not
+    grow with the ids: `sqlite3.connect("")` is a private on-disk database in the temporary directory
+    (TMPDIR), deleted when closed, behind a page cache of INDEX_CACHE_KIB. It is local even when the
+    data it indexes sits on a network filesystem whose locks SQLite cannot trust. Thread-safe (one lock)."""
+
+    def __init__(self):
+        self._db = sqlite3.connect("", isolation_level=None, check_same_thread=False)
+        self._lock = threading.Lock()
+        for pragma in ("journal_mode=OFF", "synchronous=OFF", f"cache_size=-{INDEX_CACHE_KIB}"):
+            self._db.execute(f"PRAGMA {pragma}")
+        self._db.execute("CREATE TABLE rows (id TEXT PRIMARY KEY, offset INTEGER NOT NULL) WITHOUT ROWID")
+
+    def add(self, row_id: str, offset: int) -> None:
+        """Record `row_id` at `offset` unless it is there already (the first copy counts)."""
+        with self._lock:
+            self._db.execute("INSERT OR IGNORE INTO rows VALUES (?, ?)", (row_id, offset))
+
+    def add_many(self, pairs: Iterable[tuple[str, int]]) -> None:
+        """`add` for each pair, in one transaction (a pass over a long file)."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany("INSERT OR IGNORE INTO rows VALUES (?, ?)", pairs)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def get(self, row_id: str) -> int | None:
+        with self._lock:
+            hit = self._db.execute("SELECT offset FROM rows WHERE id = ?", (row_id,)).fetchone()
+        return None if hit is None else hit[0]
+
+    def __contains__(self, row_id) -> bool:
+        return isinstance(row_id, str) and self.get(row_id) is not None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return self._db.execute("SELECT count(*) FROM rows").fetchone()[0]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

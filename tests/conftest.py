@@ -115,12 +115,13 @@ def write_split(path: Path, conversations=None) -> Path:
 def trained_target(tmp_path_factory) -> Path:
     """A 4-layer builtin-tiny target trained for a few seconds: answers are words, not noise."""
     from deepspec.config import TargetConfig, TinyTargetConfig
+    from deepspec.embedded.tiny import trainer_on
     from deepspec.models.prepare import prepare_target
 
     root = tmp_path_factory.mktemp("trained_target")
     out = root / "target"
     rows = [{"id": f"{i:016x}", "conversations": c} for i, c in enumerate(SAMPLE_CONVERSATIONS)]
-    prepare_target(TargetConfig(tiny=TinyTargetConfig(**SMALL_TINY)), [0, 1, 2], lambda: rows, out)
+    prepare_target(TargetConfig(tiny=TinyTargetConfig(**SMALL_TINY)), [0, 1, 2], trainer_on(rows), out)
     return out
 
 

@@ -3,10 +3,10 @@
 Each finished row is one line, flushed and fsync'd as it completes. A rerun reads the file line by
 line, drops a torn last line and only asks for what is missing, so after a kill at any point the
 output holds every id exactly once. What a run holds of the rows is an index of id -> byte offset
-in a private temporary SQLite database with a small page cache: its memory does not grow with the
-corpus (1.3 M rows of 4 k-token answers are tens of GB of journal), and the rows themselves are read
-back from the file when the output is written. The index is derived data, rebuilt at every open, so
-the journal file stays the one record.
+(`deepspec.io.IdIndex`, on disk behind a small page cache): its memory does not grow with the corpus
+(1.3 M rows of 4 k-token answers are tens of GB of journal), and the rows themselves are read back
+from the file when the output is written. The index is derived data, rebuilt at every open, so the
+journal file stays the one record.
 
 The journal carries a fingerprint of everything that shapes an answer; a change sets it aside
 (`journal-stale-<fingerprint>`), and params that switch back resume it.
@@ -16,68 +16,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sqlite3
-import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
-from deepspec.io import write_json
+from deepspec.io import IdIndex, write_json
 
 log = logging.getLogger(__name__)
 
-# The index's page cache in KiB. Lookups that miss it are reads of the temporary file (the OS's
-# page cache, not this process's memory): a bounded cost per lookup instead of memory per row.
-INDEX_CACHE_KIB = 256
-
-
 class JournalError(ValueError):
     """The journal holds a line that is not a finished row (damaged, not a torn last write)."""
-
-
-class RowIndex:
-    """id -> byte offset of each finished row. `sqlite3.connect("")` is a private on-disk database
-    in the temporary directory (TMPDIR), deleted when closed: a local file even when the journal is
-    on a network filesystem whose locks SQLite cannot trust. Thread-safe (one lock)."""
-
-    def __init__(self):
-        self._db = sqlite3.connect("", isolation_level=None, check_same_thread=False)
-        self._lock = threading.Lock()
-        for pragma in ("journal_mode=OFF", "synchronous=OFF", f"cache_size=-{INDEX_CACHE_KIB}"):
-            self._db.execute(f"PRAGMA {pragma}")
-        self._db.execute("CREATE TABLE rows (id TEXT PRIMARY KEY, offset INTEGER NOT NULL) WITHOUT ROWID")
-
-    def add(self, row_id: str, offset: int) -> None:
-        """Record `row_id` at `offset` unless it is there already (the first finished copy counts)."""
-        with self._lock:
-            self._db.execute("INSERT OR IGNORE INTO rows VALUES (?, ?)", (row_id, offset))
-
-    def add_many(self, pairs: Iterable[tuple[str, int]]) -> None:
-        """`add` for each pair, in one transaction (a recovery pass over a long journal)."""
-        with self._lock:
-            self._db.execute("BEGIN")
-            try:
-                self._db.executemany("INSERT OR IGNORE INTO rows VALUES (?, ?)", pairs)
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
-
-    def get(self, row_id: str) -> int | None:
-        with self._lock:
-            hit = self._db.execute("SELECT offset FROM rows WHERE id = ?", (row_id,)).fetchone()
-        return None if hit is None else hit[0]
-
-    def __contains__(self, row_id) -> bool:
-        return isinstance(row_id, str) and self.get(row_id) is not None
-
-    def __len__(self) -> int:
-        with self._lock:
-            return self._db.execute("SELECT count(*) FROM rows").fetchone()[0]
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
 
 
 class Journal:
@@ -103,7 +51,7 @@ class Journal:
         directory.mkdir(parents=True, exist_ok=True)
         if not meta.exists():
             write_json(meta, {"fingerprint": fp})
-        self.index = RowIndex()
+        self.index = IdIndex()
         self._reader = None
         self.done = JournalRows(self)
         try:

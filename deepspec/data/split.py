@@ -11,6 +11,9 @@ import collections
 import dataclasses
 import json
 import logging
+import os
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +21,7 @@ from deepspec.config import SplitConfig
 from deepspec.data.conversation import (RowRejected, conversation_id, normalize_conversation,
                                         normalize_prompt, system_prompt, user_turns)
 from deepspec.data.sources import TruncatedSource, iter_source
-from deepspec.io import atomic_open, hash_unit, write_json
+from deepspec.io import IdIndex, fsync_dir, hash_unit, write_json
 
 log = logging.getLogger(__name__)
 
@@ -39,66 +42,99 @@ def is_eval(turns: list[dict], cfg: SplitConfig) -> bool:
 
 
 @dataclass
-class SplitResult:
-    train: list[dict]
-    eval: list[dict]
-    rejected: list[dict]
-    read: int
-    adjusted: dict = dataclasses.field(default_factory=dict)  # rows kept after a change, by kind
+class SplitSummary:
+    """What a pass over the source found, in counts: all the report, the checks and the log need, so
+    the rows themselves can stream to their files."""
+    read: int = 0
+    train: int = 0
+    eval: int = 0
+    rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # by reason
+    first_rejected: list[dict] = dataclasses.field(default_factory=list)  # the first SHOW_REJECTED
+    tasks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    adjusted: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # rows kept after a change
     truncated: str | None = None  # where the source file was cut, when its rows before it were kept
 
+    @property
+    def rejected_total(self) -> int:
+        return sum(self.rejected.values())
+
     def report(self, source: str) -> dict:
-        by_reason = collections.Counter(r["reason"] for r in self.rejected)
-        tasks = collections.Counter(r["task"] for r in self.train + self.eval)
         return {
             "source": source,
             "read": self.read,
-            "kept": len(self.train) + len(self.eval),
-            "train": len(self.train),
-            "eval": len(self.eval),
-            "rejected": dict(sorted(by_reason.items())),
-            "rejected_total": len(self.rejected),
+            "kept": self.train + self.eval,
+            "train": self.train,
+            "eval": self.eval,
+            "rejected": dict(sorted(self.rejected.items())),
+            "rejected_total": self.rejected_total,
             "adjusted": dict(sorted(self.adjusted.items())),
-            "tasks": dict(sorted(tasks.items())),
+            "tasks": dict(sorted(self.tasks.items())),
             **({"truncated_source": self.truncated} if self.truncated else {}),
         }
 
 
-def split_rows(cfg: SplitConfig) -> SplitResult:
-    train, evals, rejected, notes = [], [], [], []
-    seen: set[str] = set()
-    read = 0
+@dataclass
+class SplitResult:
+    """A split held in memory (a small corpus: the embedded default's, a test's)."""
+    train: list[dict]
+    eval: list[dict]
+    rejected: list[dict]
+    summary: SplitSummary
+
+
+def classify_rows(cfg: SplitConfig, summary: SplitSummary) -> Iterator[tuple[str, dict]]:
+    """("train" | "eval" | "rejected", row) for each source row, in source order, counted into
+    `summary`. Holds one row at a time; the ids seen so far (duplicates are rejected) live on disk."""
+    seen = IdIndex()
     default_source = cfg.source if ":" in cfg.source else Path(cfg.source).name
-    for raw in _rows(cfg, truncated := []):
-        read += 1
-        try:
-            if raw.reason:
-                raise RowRejected(raw.reason, raw.detail)
-            row_notes: list[str] = []
-            turns = normalize_conversation(raw.row, cfg.leading_assistant, row_notes)
-            row_id = conversation_id(turns)
-            if row_id in seen:
-                raise RowRejected("duplicate", f"same content as an earlier row (id {row_id})")
-        except RowRejected as e:
-            rejected.append({"where": raw.where, "reason": e.reason, "detail": e.detail})
-            continue
-        seen.add(row_id)
-        notes.extend(row_notes)
-        task = str(raw.row.get("task") or raw.row.get("category") or "unknown")
-        source = str(raw.row.get("source") or default_source)
-        if is_eval(turns, cfg):
-            row = {"id": row_id, "task": task, "source": source, "turns": user_turns(turns)}
-            if (sp := system_prompt(turns)) is not None:
-                row["system"] = sp
-            evals.append(row)
-        else:
-            train.append({"id": row_id, "task": task, "source": source, "conversations": turns})
-    return SplitResult(train, evals, rejected, read, dict(collections.Counter(notes)), truncated[0] if truncated else None)
+    try:
+        for raw in _rows(cfg, summary):
+            summary.read += 1
+            try:
+                if raw.reason:
+                    raise RowRejected(raw.reason, raw.detail)
+                row_notes: list[str] = []
+                turns = normalize_conversation(raw.row, cfg.leading_assistant, row_notes)
+                row_id = conversation_id(turns)
+                if row_id in seen:
+                    raise RowRejected("duplicate", f"same content as an earlier row (id {row_id})")
+            except RowRejected as e:
+                rejected = {"where": raw.where, "reason": e.reason, "detail": e.detail}
+                summary.rejected[e.reason] += 1
+                if len(summary.first_rejected) < SHOW_REJECTED:
+                    summary.first_rejected.append(rejected)
+                yield "rejected", rejected
+                continue
+            seen.add(row_id, summary.read)
+            summary.adjusted.update(row_notes)
+            task = str(raw.row.get("task") or raw.row.get("category") or "unknown")
+            summary.tasks[task] += 1
+            source = str(raw.row.get("source") or default_source)
+            if is_eval(turns, cfg):
+                row = {"id": row_id, "task": task, "source": source, "turns": user_turns(turns)}
+                if (sp := system_prompt(turns)) is not None:
+                    row["system"] = sp
+                summary.eval += 1
+                yield "eval", row
+            else:
+                summary.train += 1
+                yield "train", {"id": row_id, "task": task, "source": source, "conversations": turns}
+    finally:
+        seen.close()
 
 
-def _rows(cfg: SplitConfig, truncated: list):
+def split_rows(cfg: SplitConfig) -> SplitResult:
+    """The whole split in memory (see run_split for a corpus of any size)."""
+    summary = SplitSummary()
+    out: dict[str, list[dict]] = {"train": [], "eval": [], "rejected": []}
+    for kind, row in classify_rows(cfg, summary):
+        out[kind].append(row)
+    return SplitResult(out["train"], out["eval"], out["rejected"], summary)
+
+
+def _rows(cfg: SplitConfig, summary: SplitSummary):
     """The source's rows; with `split.truncated_source: keep` a file cut part-way ends where it was cut
-    (the message goes into `truncated`) instead of failing."""
+    (the message goes into the summary) instead of failing."""
     try:
         yield from iter_source(cfg.source, cfg.hf_split)
     except TruncatedSource as e:
@@ -106,50 +142,62 @@ def _rows(cfg: SplitConfig, truncated: list):
             raise
         message = str(e).split(TruncatedSource.KEEP_HINT)[0]
         log.warning("%s: keeping the rows before the cut (split.truncated_source: keep)", message)
-        truncated.append(message)
+        summary.truncated = message
 
 
-def rejection_summary(result: SplitResult) -> str:
+def rejection_summary(summary: SplitSummary) -> str:
     """Counts by reason and the first few rejected rows (file:line), for a log line or an error."""
-    counts = collections.Counter(r["reason"] for r in result.rejected)
-    lines = [f"{result.read} rows read, {len(result.rejected)} rejected ("
-             + ", ".join(f"{reason}: {n}" for reason, n in counts.most_common()) + ")"]
-    lines += [f"  {r['where']}: {r['reason']} {r['detail']}".rstrip()
-              for r in result.rejected[:SHOW_REJECTED]]
-    if len(result.rejected) > SHOW_REJECTED:
-        lines.append(f"  ... {len(result.rejected) - SHOW_REJECTED} more in rejected.jsonl")
+    lines = [f"{summary.read} rows read, {summary.rejected_total} rejected ("
+             + ", ".join(f"{reason}: {n}" for reason, n in summary.rejected.most_common()) + ")"]
+    lines += [f"  {r['where']}: {r['reason']} {r['detail']}".rstrip() for r in summary.first_rejected]
+    if summary.rejected_total > SHOW_REJECTED:
+        lines.append(f"  ... {summary.rejected_total - SHOW_REJECTED} more in rejected.jsonl")
     return "\n".join(lines)
 
 
-def check_result(result: SplitResult, cfg: SplitConfig) -> None:
-    kept = len(result.train) + len(result.eval)
-    if result.read == 0:
+def check_summary(summary: SplitSummary, cfg: SplitConfig) -> None:
+    kept = summary.train + summary.eval
+    if summary.read == 0:
         raise SplitError(f"{cfg.source}: the source holds no rows")
     if kept == 0:
-        raise SplitError(f"{cfg.source}: no row is usable\n{rejection_summary(result)}")
-    fraction = len(result.rejected) / result.read
+        raise SplitError(f"{cfg.source}: no row is usable\n{rejection_summary(summary)}")
+    fraction = summary.rejected_total / summary.read
     if fraction > cfg.max_reject_fraction:
         raise SplitError(f"{cfg.source}: {fraction:.0%} of rows rejected, more than "
                          f"split.max_reject_fraction = {cfg.max_reject_fraction}\n"
-                         f"{rejection_summary(result)}")
-    if not result.train:
+                         f"{rejection_summary(summary)}")
+    if not summary.train:
         raise SplitError(f"{cfg.source}: every kept row fell on the eval side "
                          f"(split.test_fraction = {cfg.test_fraction}); no train rows")
 
 
+OUTPUTS = ("train", "eval", "rejected")
+
+
 def run_split(cfg: SplitConfig, out_dir: str | Path = "data/split") -> dict:
-    """Read the whole source first, then write every output atomically: a bad source leaves none."""
-    result = split_rows(cfg)
-    check_result(result, cfg)
-    if result.rejected:
-        log.warning("%s", rejection_summary(result))
+    """Stream the source's rows into new files beside `out_dir`; only a split that passes its checks
+    replaces the outputs (a bad source leaves the previous ones, or none, in place)."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("train.jsonl", result.train), ("eval.jsonl", result.eval),
-                       ("rejected.jsonl", result.rejected)):
-        with atomic_open(out / name) as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    report = result.report(cfg.source)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    summary = SplitSummary()
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
+        files = {kind: open(Path(tmp) / f"{kind}.jsonl", "w", encoding="utf-8") for kind in OUTPUTS}
+        try:
+            for kind, row in classify_rows(cfg, summary):
+                files[kind].write(json.dumps(row, ensure_ascii=False) + "\n")
+            for f in files.values():
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            for f in files.values():
+                f.close()
+        check_summary(summary, cfg)
+        if summary.rejected_total:
+            log.warning("%s", rejection_summary(summary))
+        out.mkdir(exist_ok=True)
+        for kind in OUTPUTS:
+            os.replace(Path(tmp) / f"{kind}.jsonl", out / f"{kind}.jsonl")
+        fsync_dir(out)
+    report = summary.report(cfg.source)
     write_json(out / "report.json", report)
     return report

@@ -228,3 +228,8 @@ def train_tiny(cfg: TinyTargetConfig, rows: list[dict], seed: int, out_dir: Path
     }
     log.info("tiny target trained: %s", json.dumps(metrics))
     return metrics
+
+
+def trainer_on(rows: list[dict]):
+    """prepare_target's `train_tiny` argument that trains builtin:tiny on `rows`."""
+    return lambda cfg, seed, out_dir: train_tiny(cfg, rows, seed, out_dir)

@@ -11,10 +11,9 @@ from tests.conftest import SAMPLE_CONVERSATIONS, make_model_dir
 
 def corpus():
     """The builtin:tiny trainer prepare_target takes (only that source calls it), on the test conversations."""
-    from deepspec.embedded.tiny import train_tiny
+    from deepspec.embedded.tiny import trainer_on
 
-    rows = [{"id": f"r{i}", "conversations": conv} for i, conv in enumerate(SAMPLE_CONVERSATIONS)]
-    return lambda tiny, seed, out_dir: train_tiny(tiny, rows, seed, out_dir)
+    return trainer_on([{"id": f"r{i}", "conversations": conv} for i, conv in enumerate(SAMPLE_CONVERSATIONS)])
 
 
 def assert_sampling_defaults(gen):
