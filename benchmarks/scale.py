@@ -144,8 +144,10 @@ def cache_child(spec: dict) -> None:
     torch.set_num_threads(spec["threads"])
 
     def build(url: str, regen: str) -> dict:
+        # `truncate`: each row cut at max_length, mid-answer (the default cut_turn would drop rows whose
+        # one answer does not fit), so every row is a sample of a few tokens
         cfg = CacheConfig(url=url, part_tokens=spec["part_tokens"], batch_tokens=spec["batch_tokens"],
-                          max_length=spec["max_length"], dtype=spec["dtype"])
+                          max_length=spec["max_length"], dtype=spec["dtype"], overlong="truncate")
         return build_cache(cfg, spec["layers"], Path(regen), Path(spec["target"]))
 
     build(spec["url"] + ".warm", spec["warm"])
@@ -485,7 +487,8 @@ def accum_sweep(args, accums: list[int], codes: list[tuple[str, Path]]) -> list[
             for r in synthetic_rows(n, args.train_tokens * 4, seed=3):
                 f.write(json.dumps(r) + "\n")
         cache = root / "cache.zarr"
-        build_cache(CacheConfig(url=str(cache), max_length=args.train_tokens, part_tokens=65536), [-1], regen, target)
+        build_cache(CacheConfig(url=str(cache), max_length=args.train_tokens, part_tokens=65536,
+                                overlong="truncate"), [-1], regen, target)
         for label, code in codes:
             for a in accums:
                 run = root / f"run-{label}-{a}"
