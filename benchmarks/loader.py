@@ -55,7 +55,8 @@ import torch
 import zarr
 
 from deepspec.cache.reader import CacheReader
-from deepspec.cache.writer import CacheWriter, PartData
+from deepspec.cache.part_data import PartData
+from deepspec.cache.writer import CacheWriter
 from deepspec.loader.dataset import TargetCacheDataset
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 from deepspec.cache.build import build_cache
 from deepspec.config import CacheConfig, EvalConfig, SamplingConfig, SplitConfig, TargetConfig, TinyTargetConfig, TrainConfig
 from deepspec.data.split import split_rows
-from deepspec.evaluate.run import evaluate, interleave_tasks
+from deepspec.evaluate.run import evaluate
+from deepspec.evaluate.suites import interleave_tasks
 from deepspec.io import write_jsonl
 from deepspec.embedded.tiny import trainer_on
 from deepspec.models.prepare import prepare_target

@@ -52,7 +52,8 @@ def worker_write(url: str, parts: int) -> dict:
     import numpy as np
 
     from deepspec.cache.store import DurableLocalStore
-    from deepspec.cache.writer import CacheWriter, PartData
+    from deepspec.cache.part_data import PartData
+    from deepspec.cache.writer import CacheWriter
 
     counts = {"root": 0, "index": 0, "record": 0, "arrays": 0, "root_writes": 0}
     real = DurableLocalStore._set
@@ -145,7 +146,8 @@ def files_per_part(storage: str) -> tuple[int, int]:
     import numpy as np
 
     from deepspec.cache.format import bytes_per_token
-    from deepspec.cache.writer import CacheWriter, PartData
+    from deepspec.cache.part_data import PartData
+    from deepspec.cache.writer import CacheWriter
 
     h = 8
     m = dict(_manifest(), layers=REF_LAYERS, hidden_size=h, storage=storage,

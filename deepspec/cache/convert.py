@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from deepspec.cache.backend import STORAGES
 from deepspec.cache.format import CacheFormatError, hidden_name, part_name, scale_name
+from deepspec.cache.manifest import STORAGES
 from deepspec.cache.reader import CacheReader
 
 
@@ -19,15 +19,16 @@ def convert(src: str, dst: str, storage: str | None = None, codec: str | None = 
             chunk_tokens: int | None = None, storage_options: dict | None = None,
             dst_storage_options: dict | None = None) -> dict:
     """Write `src` as a new store at `dst`; `storage` defaults to the other backend."""
-    from deepspec.cache.reference import _refuse_existing
-    from deepspec.cache.writer import CacheWriter, PartData
+    from deepspec.cache.part_data import PartData
+    from deepspec.cache.stores import refuse_existing
+    from deepspec.cache.writer import CacheWriter
 
     reader = CacheReader(src, storage_options, verify=True)
     storage = storage or next(s for s in STORAGES if s != reader.storage)
     if storage not in STORAGES:
         raise CacheFormatError(f"unknown storage {storage!r} (known: {list(STORAGES)})")
     dst_options = storage_options if dst_storage_options is None else dst_storage_options
-    _refuse_existing(dst, dst_options)
+    refuse_existing(dst, dst_options)
     m = reader.manifest.content()
     m["storage"] = storage
     if codec is not None:

@@ -12,21 +12,19 @@ h5py, exactly as it reads a Zarr shard.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import logging
 import os
 import tempfile
-import threading
 import uuid
-from functools import lru_cache
 
 import numpy as np
 from crc32c import crc32c
 
-from deepspec.cache.backend import (PART_NAME, ArrayLayout, ArraySpec, CacheStore, Manifest, PartEntry,
-                                    fletcher32_matches)
-from deepspec.cache.format import BLOSC, FORMAT, INDEX_COLUMNS, CacheFormatError, index_name
+from deepspec.cache.backend import PART_NAME, ArrayLayout, ArraySpec, CacheStore, fletcher32_matches
+from deepspec.cache.format import FORMAT, INDEX_COLUMNS, CacheFormatError, index_name
+from deepspec.cache.hdf5_part import INDEX_DATASET, no_cyclic_gc, register_plugins, write_part_file
+from deepspec.cache.manifest import Manifest, PartEntry
 from deepspec.cache.store import (PartConflict, durable_replace, fsync_path, local_path, refused_as_existing,
                                   storage_options_for)
 
@@ -34,110 +32,10 @@ log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
 SUFFIX = ".h5"
-INDEX_DATASET = "chunk_index"
 # the consolidated per-sample index (§3.1): v3, files `index/<name>.h5` (dataset "index", uint64
 # [samples, 6], named by their content, never overwritten); v2, the one file `index.h5` ([samples, 4])
 INDEX_DIR = "index"
 INDEX_FILE = "index.h5"
-
-
-def h5_compression(codec: str) -> dict:
-    """h5py create_dataset keywords of a codec (hdf5plugin's Blosc filter, id 32001)."""
-    if codec == "none":
-        return {}
-    if codec not in BLOSC:
-        raise CacheFormatError(f"unknown codec {codec!r}")
-    import hdf5plugin
-
-    cfg = BLOSC[codec]
-    shuffle = {"shuffle": hdf5plugin.Blosc.SHUFFLE, "bitshuffle": hdf5plugin.Blosc.BITSHUFFLE}[cfg["shuffle"]]
-    return dict(hdf5plugin.Blosc(cname=cfg["cname"], clevel=cfg["clevel"], shuffle=shuffle))
-
-
-def _spool(arrays: list[ArraySpec], feed, where: str) -> dict:
-    """The rows of the arrays without `data`, taken from `feed` batch by batch into one raw file
-    each beside the part file: HDF5 places a compressed dataset's chunks as they are written, so
-    the datasets are then written one after another, as a part handed over whole is, and the file
-    is byte-identical to it. Holds a batch in memory, the part on disk."""
-    import tempfile
-
-    streamed = [spec for spec in arrays if spec.data is None]
-    spools = {spec.name: tempfile.TemporaryFile(dir=where, prefix=".spool-") for spec in streamed}
-    taken = 0
-    for rows in feed:
-        for spec in streamed:
-            values = np.ascontiguousarray(rows[spec.name], dtype=np.dtype(spec.dtype).newbyteorder("<"))
-            spools[spec.name].write(memoryview(values).cast("B"))
-        taken += len(rows[streamed[0].name]) if streamed else 0
-    if streamed and taken != streamed[0].shape[0]:
-        for f in spools.values():
-            f.close()
-        raise CacheFormatError(f"{taken} of {streamed[0].shape[0]} rows fed to the part")
-    return spools
-
-
-def write_part_file(path: str, arrays: list[ArraySpec], attrs: dict, feed=None) -> list[int]:
-    """Write one complete part file; returns [offset, nbytes, crc32c] of its chunk table. The rows
-    of arrays without `data` come from `feed` ({name: rows} per batch, in order; _spool)."""
-    import h5py
-
-    spools = _spool(arrays, feed, os.path.dirname(os.path.abspath(path))) if feed is not None else {}
-    table: dict[str, dict] = {}
-    # v110 objects (HDF5 >= 1.10 reads them): fixed-array chunk indexes and compact headers, a
-    # fraction of the v1 B-trees the default "earliest" writes (~2 KB per dataset)
-    with contextlib.ExitStack() as stack, h5py.File(path, "w", libver=("v110", "v110")) as f:
-        for spool in spools.values():
-            stack.callback(spool.close)
-        dsets = []
-        for spec in arrays:
-            data = None if spec.data is None else np.ascontiguousarray(spec.data)
-            shape = tuple(spec.shape)
-            rows = max(shape[0], 1)
-            chunks = (min(spec.chunk_rows, rows),) + shape[1:]
-            dcpl = None
-            if spec.codec == "none":
-                # chunks allocated when the dataset is created: back to back in row order. Allocated
-                # as they are written, a dataset's later chunks can land tens of MB away (after other
-                # datasets' data), which costs an extra request per sample on an object store.
-                dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-                dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-                dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # every chunk is written right after
-            # track_times off: the same part written twice is byte-identical (resume repeats a build)
-            d = f.create_dataset(spec.name, shape=shape, dtype=np.dtype(spec.dtype), data=data, chunks=chunks,
-                                 fletcher32=True, track_times=False, dcpl=dcpl, **h5_compression(spec.codec))
-            if data is None and shape[0]:  # from its spool, whole chunks at a time, in row order
-                dtype = np.dtype(spec.dtype).newbyteorder("<")
-                row_bytes = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
-                step = max(1, (64 << 20) // max(1, row_bytes * chunks[0])) * chunks[0]
-                spool = spools[spec.name]
-                for a in range(0, shape[0], step):
-                    n = min(step, shape[0] - a)
-                    spool.seek(a * row_bytes)
-                    d[a:a + n] = np.frombuffer(spool.read(n * row_bytes), dtype=dtype).reshape(n, *shape[1:])
-            dsets.append((spec, d, chunks[0]))
-        f.flush()
-        raw = os.open(path, os.O_RDONLY)
-        for spec, d, chunk_rows in dsets:
-            entries: list[tuple[int, int, int, int]] = []
-            d.id.chunk_iter(lambda info: entries.append((info.chunk_offset[0], info.byte_offset, info.size,
-                                                         info.filter_mask)))
-            entries.sort()
-            table[spec.name] = {
-                "dtype": np.dtype(spec.dtype).newbyteorder("<").str, "shape": list(spec.shape),
-                "chunk_rows": chunk_rows, "blosc": spec.codec != "none",
-                "filtered": all(e[3] == 0 for e in entries),  # every chunk went through every filter
-                "chunks": [[e[1], e[2]] for e in entries],
-                # crc32c of each chunk's stored bytes (its trailing Fletcher-32 excluded): the loader
-                # checks these, at crc32c's hardware speed, instead of Fletcher-32 in numpy
-                "crc32c": [crc32c(os.pread(raw, e[2] - 4, e[1])) for e in entries],
-            }
-        os.close(raw)
-        blob = json.dumps(table, separators=(",", ":"), sort_keys=True).encode()
-        idx = f.create_dataset(INDEX_DATASET, data=np.frombuffer(blob, dtype=np.uint8), track_times=False)
-        f.flush()
-        where = [int(idx.id.get_offset()), len(blob), crc32c(blob)]
-        f.attrs.update({**attrs, "format": FORMAT, INDEX_DATASET: where})
-    return where
 
 
 class HDF5Store(CacheStore):
@@ -199,8 +97,8 @@ class HDF5Store(CacheStore):
                 yield f
             return
         # h5py reads the S3 object through the fsspec file while holding its global lock: no cyclic
-        # collection meanwhile (_no_cyclic_gc); the HDF5 file is closed before the file object
-        with _no_cyclic_gc(), self.fs.open(self._path(f"parts/{name}{SUFFIX}"), "rb") as raw, \
+        # collection meanwhile (hdf5_part.no_cyclic_gc); the HDF5 file is closed before the file object
+        with no_cyclic_gc(), self.fs.open(self._path(f"parts/{name}{SUFFIX}"), "rb") as raw, \
                 h5py.File(raw, "r") as f:
             yield f
 
@@ -391,7 +289,7 @@ class HDF5Store(CacheStore):
     # ---- writing -----------------------------------------------------------------------------
     def write_part(self, name: str, arrays: list[ArraySpec], attrs: dict, rank: int, lease,
                    before=None, feed=None) -> PartEntry:
-        if before is not None:  # one file per part: a derive re-encodes instead (derive.links_only)
+        if before is not None:  # one file per part: a derive re-encodes instead (derive_source.links_only)
             raise CacheFormatError(f"{self.url}: an HDF5 part cannot take arrays linked from another store")
         key = f"parts/{name}{SUFFIX}"
         if self.remote:  # h5py writes a local file; the part is uploaded whole
@@ -465,7 +363,7 @@ class HDF5Store(CacheStore):
                            name=f"parts/{part.name}{SUFFIX}: {array}")
 
     def read_slow(self, part: PartEntry, array: str, start: int, stop: int) -> np.ndarray:
-        _register_plugins()
+        register_plugins()
         try:
             with self._h5(part.name) as f:
                 if array not in f:
@@ -476,36 +374,3 @@ class HDF5Store(CacheStore):
 
     def array_rows(self, part: PartEntry, array: str) -> int:
         return int(self._table(part)[array]["shape"][0])
-
-
-_GC_LOCK = threading.Lock()
-_gc_holds = 0
-_gc_was_enabled = False
-
-
-@contextlib.contextmanager
-def _no_cyclic_gc():
-    """No automatic cyclic garbage collection, in any thread, while h5py reads a file object on S3.
-    h5py holds its global lock while it calls the file object's read(), and an S3 read waits for
-    fsspec's IO thread; a collection that starts on that thread and frees an h5py object (one a
-    reference cycle kept: a frame held by an exception's traceback, ...) waits for the same lock:
-    both threads wait forever (h5py's File docs on file-like objects; h5py/h5py#2019)."""
-    global _gc_holds, _gc_was_enabled
-    with _GC_LOCK:
-        if _gc_holds == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_holds += 1
-    try:
-        yield
-    finally:
-        with _GC_LOCK:
-            _gc_holds -= 1
-            if _gc_holds == 0 and _gc_was_enabled:
-                gc.enable()
-
-
-@lru_cache(maxsize=1)
-def _register_plugins() -> None:
-    """Importing hdf5plugin registers the Blosc filter with the HDF5 library h5py uses."""
-    import hdf5plugin  # noqa: F401

@@ -69,7 +69,9 @@ class ByteRanges:
         else:
             self.root = url.removeprefix("file://")
 
-    def _fd(self, key: str) -> int:
+    def fd(self, key: str) -> int:
+        """An open read-only descriptor of local file `key`, kept for the next read (the least
+        recently used one is closed past MAX_OPEN_FILES); the caller must not close it."""
         with self._lock:
             fd = self._fds.pop(key, None)
             if fd is None:
@@ -82,12 +84,12 @@ class ByteRanges:
     def size(self, key: str) -> int:
         if self.remote:
             return int(self.fs.size(f"{self.root}/{key}"))
-        return os.fstat(self._fd(key)).st_size
+        return os.fstat(self.fd(key)).st_size
 
     def read(self, key: str, start: int, end: int) -> bytes:
         if self.remote:
             return self.fs.cat_file(f"{self.root}/{key}", start=start, end=end)
-        data = os.pread(self._fd(key), end - start, start)
+        data = os.pread(self.fd(key), end - start, start)
         if len(data) != end - start:
             raise CacheFormatError(f"{key}: short read ({len(data)} of {end - start} bytes at {start})")
         return data

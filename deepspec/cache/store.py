@@ -115,7 +115,8 @@ class FencedS3Store(FsspecStore):
         super().__init__(*args, **kwargs)
         self._etags: dict[str, str] = {}
 
-    def _s3_path(self, key: str) -> str:
+    def s3_path(self, key: str) -> str:
+        """The S3 path ("bucket/prefix/key") of a key of this store."""
         return f"{self.path.rstrip('/')}/{key}"
 
     async def set(self, key: str, value, byte_range=None) -> None:
@@ -124,7 +125,7 @@ class FencedS3Store(FsspecStore):
         if not self._is_open:
             await self._open()
         self._check_writable()
-        path = self._s3_path(key)
+        path = self.s3_path(key)
         data = value.to_bytes()
         own = self._etags.get(key)
         try:

@@ -1,10 +1,15 @@
 """The store implementations by kind: the one place that knows both (a writer or reader names a
-kind, or finds it with backend.detect, and gets its class here)."""
+kind, or finds it with backend.detect, and gets its class here), and whether a location is free
+for a new store of either kind (refuse_existing)."""
 from __future__ import annotations
 
-from deepspec.cache.backend import STORAGES, CacheStore, detect
+from pathlib import Path
+
+from deepspec.cache.backend import CacheStore, detect
 from deepspec.cache.format import CacheFormatError
 from deepspec.cache.hdf5_store import HDF5Store
+from deepspec.cache.manifest import STORAGES
+from deepspec.cache.store import is_remote
 from deepspec.cache.zarr_store import ZarrStore
 
 BACKENDS: dict[str, type[CacheStore]] = {"zarr": ZarrStore, "hdf5": HDF5Store}
@@ -28,3 +33,16 @@ def open_cache(url: str, storage_options: dict | None = None) -> CacheStore:
 
 def open_for_write(url: str, kind: str, storage_options: dict | None = None) -> CacheStore:
     return backend_class(kind)(url, storage_options, writable=True)
+
+
+def refuse_existing(url: str, storage_options: dict | None) -> None:
+    """Raise unless `url` is free for a new store: a local path must not exist or be an empty
+    directory, and a remote location must hold no store of either kind (what an import or a
+    convert writes into)."""
+    if not is_remote(url):
+        path = Path(url.removeprefix("file://"))
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise CacheFormatError(f"{url}: already exists and is not empty; import writes a new store")
+        return
+    if detect(url, storage_options) is not None:
+        raise CacheFormatError(f"{url}: already holds a store; import writes a new store")

@@ -20,106 +20,22 @@ import json
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from deepspec.cache.backend import (PART_NAME, ArraySpec, CacheStore, Manifest, PartEntry, PartRows, detect, entry_of,
-                                    index_rows, manifest_mismatch, split_index)
+from deepspec.cache.backend import PART_NAME, ArraySpec, CacheStore, PartRows, detect, entry_of, index_rows, split_index
 from deepspec.cache.format import (INDEX_COLUMNS, CacheFormatError, encode_hidden, hidden_name,
                                    key_to_str, part_arrays, part_name, sample_keys, scale_name)
 from deepspec.cache.lease import DEFAULT_TTL_S, LEASE_NAME, acquire, join
+from deepspec.cache.manifest import Manifest, PartEntry, manifest_mismatch
+from deepspec.cache.part_data import PartData, PartFeed
 from deepspec.cache.store import is_remote
 from deepspec.cache.stores import backend_class, open_for_write
 
 log = logging.getLogger(__name__)
 
 TOKEN_CHUNK_1D = 1024  # input_ids / loss_mask / scales: a sample reads one or two chunks
-
-
-@dataclass
-class PartData:
-    """One part's samples, in store order. `hidden` maps layer id (or "last") to either the encoded
-    (bits, scale) pair (format.encode_hidden; what the cache stage hands over, so the writer thread
-    does no tensor math) or a [T, H] float tensor to encode here."""
-    name: str | None                  # None: the writer names it by its content (format.part_name)
-    sample_ids: np.ndarray            # uint64 [n]
-    lengths: np.ndarray               # int64 [n]
-    input_ids: np.ndarray             # int32 [T]
-    loss_mask: np.ndarray             # uint8 [T]
-    hidden: dict = field(default_factory=dict)
-    # arrays this part takes from another store (deepspec.cache.derive): their names, and a callback
-    # that puts them into the new part group (writer, group) before the part is committed
-    copied: tuple = ()
-    copy: object = None
-    # the samples' content keys, uint64 [n, 2] (format.sample_key); computed by the writer when None
-    keys: np.ndarray | None = None
-    # a streamed part: `hidden` stays empty and its rows arrive batch by batch through this feed
-    feed: "PartFeed | None" = None
-    # or, handed to submit(): an iterable of such batches ({layer: (bits, scale)}), which submit()
-    # streams through a feed in the calling thread
-    batches: object = None
-
-    @property
-    def tokens(self) -> int:
-        return int(self.lengths.sum())
-
-
-class FeedAborted(Exception):
-    """The computing side gave up on a streamed part; the part is not committed."""
-
-
-class PartFeed:
-    """The hidden-state rows of one streamed part, handed from the thread that computes them to the
-    writer thread a batch at a time: {layer id or "last": (bits, scale)}, rows in store order.
-    At most `depth` batches wait, so a rank holds a few batches of a part, never the part."""
-
-    _END, _ABORT = object(), object()
-
-    def __init__(self, writer: "CacheWriter", layers: list, depth: int = 2):
-        self.writer, self.layers = writer, list(layers)
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-
-    def _put(self, item) -> None:
-        while True:  # a writer that failed no longer takes batches: its error is raised here
-            self.writer._raise_if_failed()
-            try:
-                self._queue.put(item, timeout=0.2)
-                return
-            except queue.Full:
-                continue
-
-    def put(self, hidden: dict) -> None:
-        self._put(hidden)
-
-    def close(self) -> None:
-        """Every row was put: the writer finishes the part's shards and commits it."""
-        self._put(self._END)
-
-    def abort(self) -> None:
-        """The part will not be completed: the writer drops it uncommitted (never blocks)."""
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-        try:
-            self._queue.put_nowait(self._ABORT)
-        except queue.Full:
-            pass
-
-    def arrays(self):
-        """{array name: rows} per batch, as the backends take them (writer thread)."""
-        while (item := self._queue.get()) is not self._END:
-            if item is self._ABORT:
-                raise FeedAborted("the part's computation stopped before its last batch")
-            out = {}
-            for layer, (bits, scale) in item.items():
-                out[hidden_name(layer)] = bits
-                if scale is not None:
-                    out[scale_name(layer)] = scale
-            yield out
 
 
 class CacheWriter:
@@ -300,7 +216,7 @@ class CacheWriter:
         the part after close(). Call from the thread that submits parts."""
         if part.hidden:
             raise ValueError("a streamed part takes its hidden states from its feed, not from `hidden`")
-        part.feed = PartFeed(self, [*self.manifest.layers, "last"], depth)
+        part.feed = PartFeed(self._raise_if_failed, [*self.manifest.layers, "last"], depth)
         self._feeds.append(part.feed)
         self.submit(part)
         return part.feed

@@ -20,7 +20,7 @@ def part(name: str, seed: int):
     import numpy as np
     import torch
 
-    from deepspec.cache.writer import PartData
+    from deepspec.cache.part_data import PartData
 
     g = torch.Generator().manual_seed(seed)
     lengths = np.array([5, 7], dtype=np.int64)

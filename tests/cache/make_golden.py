@@ -47,7 +47,7 @@ def golden_parts(dtype: str, named: bool = True):
     import torch
 
     from deepspec.cache.format import encode_hidden
-    from deepspec.cache.writer import PartData
+    from deepspec.cache.part_data import PartData
 
     out = []
     for name, seed, lengths in PARTS:

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import deepspec.cache.build as build_mod
-from deepspec.cache.build import RowIndex, build_cache, plan_store
+import deepspec.cache.regen_rows as regen_rows_mod
+from deepspec.cache.build import build_cache, plan_store
+from deepspec.cache.regen_rows import RowIndex
 from deepspec.cache.format import part_name
 from deepspec.cache.plan import store_order
 from deepspec.cache.reader import CacheReader
@@ -166,7 +168,7 @@ def test_the_index_gathered_from_byte_shares_equals_one_pass(tmp_path, trained_t
     import pytest
     from transformers import AutoTokenizer
 
-    from deepspec.cache.build import EncodeRules, index_regen, index_share, line_ranges, merge_shares
+    from deepspec.cache.regen_rows import EncodeRules, index_regen, index_share, line_ranges, merge_shares
     from deepspec.io import JsonlError
 
     tok = AutoTokenizer.from_pretrained(trained_target)
@@ -204,13 +206,13 @@ def test_each_rank_tokenises_only_its_share_of_the_input(tmp_path, trained_targe
     equals a one-rank build."""
     one = workdir(tmp_path / "one", trained_target, many_rows(1))
     build(one, part_tokens=150)
-    encode_row, calls = build_mod.encode_row, {}
+    encode_row, calls = regen_rows_mod.encode_row, {}
 
     def counting(*a, **k):
         calls[RANK.value] = calls.get(RANK.value, 0) + 1
         return encode_row(*a, **k)
 
-    monkeypatch.setattr(build_mod, "encode_row", counting)
+    monkeypatch.setattr(regen_rows_mod, "encode_row", counting)
     two = workdir(tmp_path / "two", trained_target, many_rows(1))
     results = build_ranks(two, 2, part_tokens=150)
     assert all(not isinstance(r, BaseException) for r in results), results
@@ -229,7 +231,7 @@ def test_build_holds_a_bounded_number_of_samples(tmp_path, trained_target, monke
     about one part's worth, however many rows the input has."""
     live, peak = weakref.WeakSet(), [0]
 
-    class CountedSample(build_mod.Sample):
+    class CountedSample(regen_rows_mod.Sample):
         __hash__ = object.__hash__  # by identity, for the WeakSet
 
         def __init__(self, *a, **k):
@@ -237,7 +239,7 @@ def test_build_holds_a_bounded_number_of_samples(tmp_path, trained_target, monke
             live.add(self)
             peak[0] = max(peak[0], len(live))
 
-    monkeypatch.setattr(build_mod, "Sample", CountedSample)
+    monkeypatch.setattr(regen_rows_mod, "Sample", CountedSample)
     rows = many_rows(2)
     work = workdir(tmp_path, trained_target, rows)
     report = build(work, part_tokens=300)

@@ -14,9 +14,11 @@ import pytest
 import torch
 import yaml
 
-from deepspec.cache.build import EncodeRules, build_cache, encode_rows, load_target
+from deepspec.cache.build import build_cache, load_target
+from deepspec.cache.checks import ChecksumError
 from deepspec.cache.format import CacheFormatError, decode_hidden, sample_id_to_str
-from deepspec.cache.reader import CacheReader, ChecksumError
+from deepspec.cache.reader import CacheReader
+from deepspec.cache.regen_rows import EncodeRules, encode_rows
 from deepspec.cache.verify import verify
 from deepspec.cache.writer import CacheWriter
 from deepspec.config import CacheConfig, ConfigError

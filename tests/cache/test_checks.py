@@ -15,9 +15,9 @@ import pytest
 from crc32c import crc32c
 
 import deepspec.cache.checks as checks
-import deepspec.cache.reader as reader_mod
-from deepspec.cache.checks import Checker, crc32c_concat, first_bad
-from deepspec.cache.reader import CacheReader, ChecksumError
+import deepspec.cache.shard_reader as shard_reader_mod
+from deepspec.cache.checks import Checker, ChecksumError, crc32c_concat, first_bad
+from deepspec.cache.reader import CacheReader
 from tests.loader.test_loader import H, synthetic_parts, write_store
 
 
@@ -128,7 +128,7 @@ def test_a_batch_names_the_first_bad_chunk_of_buffers_that_cross_chunk_edges(use
     clean, stored_clean = chunked([300], chunk, 2)
     batch.check(stored_clean.tobytes(), chunk, clean, "hidden/3", 0)
     if bad:
-        with pytest.raises(reader_mod.ChecksumError, match=rf"^hidden/9: chunk {20 + bad[0]} checksum mismatch"):
+        with pytest.raises(ChecksumError, match=rf"^hidden/9: chunk {20 + bad[0]} checksum mismatch"):
             batch.wait()
     else:
         batch.wait()
@@ -228,9 +228,9 @@ def test_every_corrupt_byte_a_read_touches_is_named_by_its_chunk(store, monkeypa
                                                                 use_native):
     url, shard, clean = store
     if run_chunks:  # runs of one or two chunks, each checked by whichever thread takes it
-        monkeypatch.setattr(reader_mod, "CHECK_BYTES", run_chunks * CHUNK)
+        monkeypatch.setattr(shard_reader_mod, "CHECK_BYTES", run_chunks * CHUNK)
     else:  # the default: one run for the whole read (not worth a thread at this size)
-        monkeypatch.setattr(reader_mod, "CHECK_BYTES", 64 << 20)
+        monkeypatch.setattr(shard_reader_mod, "CHECK_BYTES", 64 << 20)
     reader = CacheReader(url)
     reader.set_check_threads(threads, use_native)
     want, first = reader.read_array(0, "hidden/7", 20, 70), reader.read_array(0, "hidden/7", 0, 16)

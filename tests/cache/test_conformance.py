@@ -18,11 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from deepspec.cache.backend import Manifest, PartEntry, detect
+from deepspec.cache.backend import detect
+from deepspec.cache.checks import ChecksumError
 from deepspec.cache.format import CacheFormatError, hidden_name
-from deepspec.cache.reader import CacheReader, ChecksumError
+from deepspec.cache.manifest import Manifest, PartEntry
+from deepspec.cache.reader import CacheReader
 from deepspec.cache.verify import verify
-from deepspec.cache.writer import CacheWriter, PartData
+from deepspec.cache.part_data import PartData
+from deepspec.cache.writer import CacheWriter
 
 H = 16
 LAYERS = [0, 2]

@@ -98,7 +98,7 @@ def test_fp8_and_codec_derive_equals_a_from_scratch_build_bitwise(tmp_path, trai
     work = workdir(tmp_path / "a", trained_target, regen_rows(20))
     url = str(work / "data" / "cache.zarr")
     build(work, LAYERS)
-    from deepspec.cache.derive import Source
+    from deepspec.cache.derive_source import Source
 
     monkeypatch.setattr(Source, "REENCODE_TOKENS", 37)  # a part streamed in several windows, not chunk-aligned
     report = build(work, SUBSET, dtype=dtype, codec=codec)

@@ -6,9 +6,9 @@ import pytest
 
 from deepspec.cache.build import build_cache, cache_manifest
 from deepspec.cache.format import CONTENT_KEYS, CacheFormatError
+from deepspec.cache.manifest import manifest_mismatch
 from deepspec.cache.reader import CacheReader
 from deepspec.cache.store import list_stores, store_key, store_url
-from deepspec.cache.writer import manifest_mismatch
 from deepspec.config import CacheConfig
 from tests.cache.test_cache import LAYERS, regen_rows, workdir
 

@@ -2,8 +2,9 @@
 
 `ref_read` / `ref_write` below are written from the reference's format facts alone (its reader
 `CacheDataset` and its writer in deepspec/data/target_cache_dataset.py of deepseek-ai/DeepSpec) and
-share no code with deepspec/cache/reference.py, so an export that they read back, and a directory
-they write that the import accepts, test the format rather than the module against itself.
+share no code with deepspec/cache/reference.py or reference_cache.py, so an export that they read
+back, and a directory they write that the import accepts, test the format rather than the module
+against itself.
 """
 import json
 import shutil
@@ -18,7 +19,8 @@ from deepspec.cache.format import CacheFormatError
 from deepspec.cache.reader import CacheReader
 from deepspec.cache.reference import export_reference, import_reference
 from deepspec.cache.verify import verify
-from deepspec.cache.writer import CacheWriter, PartData
+from deepspec.cache.part_data import PartData
+from deepspec.cache.writer import CacheWriter
 from deepspec.cli import main
 from deepspec.loader.dataset import TargetCacheDataset
 from deepspec.models.target import load_identity

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from deepspec.cache.checks import ChecksumError
 from deepspec.cache.format import CacheFormatError, encode_hidden, decode_hidden
-from deepspec.cache.reader import ChecksumError
-from deepspec.cache.writer import CacheWriter, PartData
+from deepspec.cache.part_data import PartData
+from deepspec.cache.writer import CacheWriter
 from deepspec.loader.collate import collate
 from deepspec.loader.dataset import TargetCacheDataset
 from deepspec.loader.prefetch import Prefetcher
@@ -121,10 +122,10 @@ def test_checks_on_checksum_threads_match_and_still_catch_a_flipped_bit(tmp_path
     the damaged array's checks are still running while later arrays of the sample are read."""
     import threading
 
-    import deepspec.cache.reader as reader_mod
+    import deepspec.cache.shard_reader as shard_reader_mod
     from deepspec.cache.checks import NativeChecker
 
-    monkeypatch.setattr(reader_mod, "CHECK_BYTES", 2 * (16 * H * 2 + 4))  # two chunks a task at H = 24
+    monkeypatch.setattr(shard_reader_mod, "CHECK_BYTES", 2 * (16 * H * 2 + 4))  # two chunks a task at H = 24
     parts = synthetic_parts(parts=2)
     url = write_store(str(tmp_path / "c.zarr"), parts)
     threaded = TargetCacheDataset(url, check_threads=3)
