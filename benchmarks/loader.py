@@ -26,11 +26,9 @@ page cache hot), side by side in one run, single process, uniformly random order
               (np.frombuffer(...).copy(), the reference dataset's reading style)
   checks_off  TargetCacheDataset(verify=False)
   checks_on   TargetCacheDataset(verify=True): each ~2 MB run of chunks read is checked by the
-              reader's checksum thread while the next run is read (`check_threads`, default 1;
-              the native checker of deepspec/cache/_checker.c where it was built)
+              reader's checksum thread while the next run is read (`check_threads`, default 1)
   checks_on_2t      the same with two checksum threads
   checks_on_inline  the same with check_threads=0: every chunk checked in the reading thread
-  checks_on_python  the same with the Python helper thread (the fallback without the native checker)
 and whether the crc32c package releases the GIL (its GB/s in 1 and 2 threads). Each contender reads
 batches of `--batch` random samples (the dataset's __getitems__, as a DataLoader hands it a batch):
 within one call the checks of one sample's arrays overlap the reads of the next, so the ratio
@@ -322,13 +320,10 @@ def checks_cost(args) -> None:
             return ids.nbytes + loss.nbytes + hid.numel() * 2 + last.numel() * 2
 
         contenders = {"mmap_copy": lambda batch: sum(read_mmap_copy(i) for i in batch)}
-        for name, kw, native in (("checks_off", {"verify": False}, None), ("checks_on", {"verify": True}, None),
-                                 ("checks_on_inline", {"verify": True, "check_threads": 0}, None),
-                                 ("checks_on_2t", {"verify": True, "check_threads": 2}, None),
-                                 ("checks_on_python", {"verify": True}, False)):
+        for name, kw in (("checks_off", {"verify": False}), ("checks_on", {"verify": True}),
+                         ("checks_on_inline", {"verify": True, "check_threads": 0}),
+                         ("checks_on_2t", {"verify": True, "check_threads": 2})):
             d = TargetCacheDataset(url, **kw)
-            if native is False:
-                d.reader.set_check_threads(d.reader.check_threads, native=False)
             contenders[name] = (lambda d: lambda batch: sum(sample_bytes(s) for s in d.__getitems__(batch)))(d)
         results: dict = {b: {} for b in batches}
         for rep in range(3):  # interleaved, best of three: the machine is shared
@@ -346,8 +341,7 @@ def checks_cost(args) -> None:
         out["ratios"][f"batch_{b}"] = {
             "checks_on_vs_checks_off": round(on / off, 3), "checks_on_vs_mmap_copy": round(on / ref, 3),
             "checks_off_vs_mmap_copy": round(off / ref, 3),
-            "checks_on_inline_vs_checks_off": round(results[b]["checks_on_inline"]["samples_s"] / off, 3),
-            "checks_on_python_vs_checks_off": round(results[b]["checks_on_python"]["samples_s"] / off, 3)}
+            "checks_on_inline_vs_checks_off": round(results[b]["checks_on_inline"]["samples_s"] / off, 3)}
     print(json.dumps(out, indent=2))
 
 

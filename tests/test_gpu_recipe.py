@@ -34,7 +34,7 @@ SMALL = {
     "regen": {"backend": "transformers", "urls": [], "concurrency": 4, "timeout_s": 300},
     "cache": {"launcher": "python", "url": "data/cache.zarr"},
     "train": {"launcher": "python", "draft_layers": 1, "markov_rank": 16, "anchors_per_sample": 8,
-              "grad_accum": 1, "warmup_steps": 1, "steps": 4, "checkpoint_every": 2},
+              "grad_accum": 1, "warmup_steps": 1, "steps": 4, "checkpoint_every": 2, "num_workers": 0},
     "eval": {"max_new_tokens": 6},
 }
 SMALL_SUITE = {"max_prompts": 1}  # over each of the recipe's eval suites

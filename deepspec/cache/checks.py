@@ -1,21 +1,20 @@
-"""crc32c checks handed from a reading thread to helper threads (ShardReader._scatter).
+"""crc32c checks handed from a reading thread to Python helper threads (ShardReader._scatter).
 
-`checker(threads)` gives the native checker of deepspec/cache/_checker.c where it was built and the
-CPU has a crc32 instruction. Its threads never take the GIL and poll for ~2 ms before sleeping, so
-a hand-off costs the reading thread a mutex, not a wake-up: on a 2-vCPU VM a Python helper cost
-15-35 us per hand-off (a wake-up and two GIL hand-overs), and a sleeping native thread's wake-up
-~60 us, against ~0.1 ms for checking a 2 MB run (benchmarks/loader.py --checks; docs/scale.md).
-
-The Python helpers below are the fallback (no C compiler at install, or no crc32 instruction). A
-task is one tuple on a C `SimpleQueue`; the helpers block in `get()` without the GIL.
-
-Both kinds: the thread that waits for a batch first runs every task no helper has taken yet, so
-the tail of a read is checked on two cores, not one; a batch raises the first mismatch in
-submission order, whichever thread ran it; a batch given up (its reader raised) needs no cleanup.
+A task is one tuple on a C `SimpleQueue`; the helpers block in `get()` without the GIL, and the
+crc32c package releases the GIL while it checksums. The thread that waits for a batch first runs
+every task no helper has taken yet, so the tail of a read is checked on two cores, not one; a batch
+raises the first mismatch in submission order, whichever thread ran it; a batch given up (its
+reader raised) needs no cleanup.
 
 A run of chunks is checked with one crc32c call over all its bytes against `crc32c_concat` of
-their stored CRCs (Python: the GIL is released once per run, not once per 320 KB chunk), or chunk
-by chunk in C; either way a mismatch names the first bad chunk.
+their stored CRCs (the GIL is released once per run, not once per 320 KB chunk); a mismatch then
+names the first bad chunk.
+
+There is no native checker: a C one (never taking the GIL, polling before it slept) measured no
+faster than these checks in the configuration a trainer runs, a DataLoader over random batches
+with deepspec's collator at H = 2,560 (benchmarks/checks_workers.py, two runs on 2 cores, native /
+inline samples/s: 1.04 and 1.01 at num_workers 0, 0.90 and 1.04 at 2, 1.03 and 0.89 at 4, each
+contender's rounds 5-20 % apart), so it and its build step were removed.
 """
 from __future__ import annotations
 
@@ -30,11 +29,6 @@ import numpy as np
 from crc32c import crc32c as _crc32c
 
 from deepspec.cache.format import CacheFormatError
-
-try:
-    from deepspec.cache import _checker as native
-except ImportError:  # installed without a C compiler
-    native = None
 
 
 @functools.lru_cache(maxsize=32)
@@ -190,37 +184,6 @@ class Checker:
         return Batch(self._tasks)
 
 
-class NativeBatch:
-    """Batch.check on the native checker's threads."""
-
-    def __init__(self, batch):
-        self._batch = batch
-        self._names: list = []
-
-    def check(self, stored, chunk_bytes: int, segments: Sequence, name: str, first: int) -> None:
-        self._batch.submit(stored, chunk_bytes, *segments)
-        self._names.append((name, first))
-
-    def wait(self) -> None:
-        failed, names, self._names = self._batch.wait(), self._names, []
-        if failed:
-            task, bad = failed[0]
-            name, first = names[task]
-            raise mismatch(name, first + bad)
-
-
-class NativeChecker:
-    def __init__(self, threads: int):
-        self._checker = native.Checker(threads)
-
-    def batch(self) -> NativeBatch:
-        return NativeBatch(self._checker.batch())
-
-
-def checker(threads: int, use_native: bool | None = None) -> Checker | NativeChecker:
-    """Helpers for `threads` checking threads: native where available (or `use_native`), else Python."""
-    if use_native is None:
-        use_native = native is not None and native.HARDWARE
-    if use_native and native is None:
-        raise RuntimeError("deepspec.cache._checker was not built (no C compiler when deepspec was installed)")
-    return NativeChecker(threads) if use_native else Checker(threads)
+def checker(threads: int) -> Checker:
+    """Helpers for `threads` checking threads."""
+    return Checker(threads)

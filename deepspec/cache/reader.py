@@ -30,7 +30,6 @@ class CacheReader:
     # one helper keeps up with one reading thread (crc32c runs at 2-3x a page-cache copy); a second
     # measured no faster (benchmarks/loader.py --checks, checks_on_2t); a single CPU checks inline
     check_threads: int = 1 if (os.cpu_count() or 1) > 1 else 0
-    native_checks: bool | None = None  # None: native checksum threads where built (checks.checker)
     # remote stores: byte-range requests kept in flight by read_arrays (a sample's arrays, a batch's
     # samples), and the most bytes one request asks for (a large array is cut into several)
     read_ahead: int = 16
@@ -97,8 +96,7 @@ class CacheReader:
         pid = os.getpid()
         if self._state is None or self._state[0] != pid:
             files = ByteRanges(self.url, self.storage_options, self.cache_dir, connections=self.read_ahead)
-            self._state = (pid, self.store, files, ShardReader(files, self.verify, check_threads=self.check_threads,
-                                                                 native=self.native_checks), {})
+            self._state = (pid, self.store, files, ShardReader(files, self.verify, check_threads=self.check_threads), {})
         return self._state
 
     def lengths(self) -> np.ndarray:
@@ -195,12 +193,11 @@ class CacheReader:
             out[key] = (values[hidden_name(layer)], values.get(scale_name(layer)))
         return out
 
-    def set_check_threads(self, n: int, native: bool | None = None) -> None:
-        """Threads checking crc32c of local reads from now on (0: in the reading thread); `native`
-        False: Python threads even where the native checker was built (True: it must be)."""
-        self.check_threads, self.native_checks = n, native
+    def set_check_threads(self, n: int) -> None:
+        """Threads checking crc32c of local reads from now on (0: in the reading thread)."""
+        self.check_threads = n
         if self._state is not None:  # the open-time reads already made this process's shard reader
-            self._state[3].set_check_threads(n, native)
+            self._state[3].set_check_threads(n)
 
     def set_read_ahead(self, requests: int, range_bytes: int | None = None) -> None:
         """Requests in flight (and the bytes of each) for remote reads from now on."""

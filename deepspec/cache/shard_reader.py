@@ -11,8 +11,8 @@ array's own codec chain.
 Checking costs about half as much CPU as reading the bytes from the page cache (crc32c ~10-12 GB/s
 over memory not in the CPU's caches, a page-cache copy ~6 GB/s on one core), so done in the reading
 thread it takes a third of a local read. With `check_threads` the checks of uncompressed local
-arrays run on helper threads (deepspec/cache/checks.py: native threads that never take the GIL,
-or Python threads where the C checker was not built): an array is read in runs and each run's
+arrays run on helper threads (deepspec/cache/checks.py; crc32c releases the GIL): an array is read
+in runs and each run's
 check overlaps the read of the next; inside `ShardReader.deferred()` the checks of one array
 overlap the reads of the next array too. The block's exit checks what is left on its own thread
 as well, waits for the rest and raises the first mismatch, so nothing unchecked leaves a
@@ -25,7 +25,7 @@ import contextlib
 import numpy as np
 
 from deepspec.cache.backend import ArrayLayout, fletcher32_matches
-from deepspec.cache.checks import Batch, ChecksumError, NativeBatch, checker, first_bad, mismatch
+from deepspec.cache.checks import Batch, ChecksumError, checker, first_bad, mismatch
 from deepspec.cache.format import CacheFormatError
 from deepspec.cache.ranges import ByteRanges, preadv_all
 from deepspec.cache.zarr_layout import EMPTY
@@ -33,22 +33,19 @@ from deepspec.cache.zarr_layout import EMPTY
 from crc32c import crc32c as _crc32c
 
 
-# Bytes of chunks one checksum task checks: big enough that a task's overhead (a few us native; a
-# queue put and two GIL hand-overs on Python threads) is small next to its crc32c (~0.1 ms), small
-# enough that the last array of a sample splits between a helper and the waiting thread.
-# Runs of 1-8 MB measured the same on the native checker (benchmarks/loader.py --checks).
+# Bytes of chunks one checksum task checks: big enough that a task's overhead (a queue put and two
+# GIL hand-overs) is small next to its crc32c (~0.1 ms), small enough that the last array of a
+# sample splits between a helper and the waiting thread.
 CHECK_BYTES = 2 << 20
 
 
 class ShardReader:
     """Row ranges of single-shard arrays, read and checked without zarr-python on the hot path."""
 
-    def __init__(self, files: ByteRanges, verify: bool = True, strict: bool = False, check_threads: int = 0,
-                 native: bool | None = None):
+    def __init__(self, files: ByteRanges, verify: bool = True, strict: bool = False, check_threads: int = 0):
         self.files = files
         self.verify = verify
         self.check_threads = check_threads
-        self.native = native    # checks.checker: None = the native checker where it was built
         self._checker = None    # created on first use, in the process that reads
         self._pending = None    # the checks.Batch of an open deferred() block
         # strict (`deepspec cache verify`): an HDF5 chunk's own Fletcher-32 is checked as well as
@@ -263,13 +260,13 @@ class ShardReader:
             batch.wait()
         return out
 
-    def set_check_threads(self, n: int, native: bool | None = None) -> None:
-        if (n, native) != (self.check_threads, self.native):
-            self.check_threads, self.native, self._checker = n, native, None  # the old checker's threads end with it
+    def set_check_threads(self, n: int) -> None:
+        if n != self.check_threads:
+            self.check_threads, self._checker = n, None  # the old checker's threads end with it
 
-    def _batch(self) -> Batch | NativeBatch:
+    def _batch(self) -> Batch:
         if self._checker is None:
-            self._checker = checker(self.check_threads, self.native)
+            self._checker = checker(self.check_threads)
         return self._checker.batch()
 
     @contextlib.contextmanager

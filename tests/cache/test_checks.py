@@ -1,11 +1,7 @@
-"""Checksum work on helper threads (deepspec/cache/checks.py: the native checker of _checker.c and
-the Python fallback) and the reader's run-at-a-time crc32c checks: any corrupt byte of a chunk a
-read touches is named by its chunk, in every mode."""
+"""Checksum work on helper threads (deepspec/cache/checks.py) and the reader's run-at-a-time crc32c
+checks: any corrupt byte of a chunk a read touches is named by its chunk, in every mode."""
 import gc
-import multiprocessing
 import os
-import platform
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -72,37 +68,6 @@ def test_helper_threads_end_with_their_checker():
         assert not t.is_alive()
 
 
-native = pytest.mark.skipif(checks.native is None, reason="deepspec.cache._checker was not built")
-
-
-def native_threads() -> int:
-    """The native checker's threads alive in this process (named crc32c, as the OS sees them)."""
-    names = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            names.append(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
-        except FileNotFoundError:  # ended while listed
-            pass
-    return names.count("crc32c")
-
-
-@pytest.mark.skipif(platform.machine() != "x86_64" or not shutil.which("cc"), reason="needs x86-64 and a C compiler")
-def test_the_native_checker_is_built_where_it_can_be():
-    """The build is optional (pyproject: optional = true), so a broken one would only skip the
-    native tests: where it can build, it must have."""
-    assert checks.native is not None and checks.native.HARDWARE
-    assert isinstance(checks.checker(1), checks.NativeChecker)
-
-
-@native
-@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 4095, 4096, 12287, 12288, 12289, 3 * 4096 * 5 + 13, 1 << 20])
-@pytest.mark.parametrize("offset", [0, 1, 5])
-def test_native_crc32c_equals_the_crc32c_package(size, offset):
-    data = os.urandom(size + offset)[offset:]
-    assert checks.native.crc32c(data) == crc32c(data)
-    assert checks.native.crc32c(data, 0xDEADBEEF) == crc32c(data, 0xDEADBEEF)
-
-
 def chunked(sizes: list[int], chunk: int, n: int):
     """n chunks of random bytes cut into buffers of `sizes` (the last takes the rest), and the
     little-endian crc32c of each chunk."""
@@ -116,14 +81,13 @@ def chunked(sizes: list[int], chunk: int, n: int):
     return bufs, stored
 
 
-@pytest.mark.parametrize("use_native", [pytest.param(True, marks=native), False])
 @pytest.mark.parametrize("bad", [[], [0], [3], [1, 2], [4]])
-def test_a_batch_names_the_first_bad_chunk_of_buffers_that_cross_chunk_edges(use_native, bad):
+def test_a_batch_names_the_first_bad_chunk_of_buffers_that_cross_chunk_edges(bad):
     chunk, n = 1000, 5
     bufs, stored = chunked([1, 1499, 0, 2000], chunk, n)  # edges inside buffers, an empty buffer
     for j in bad:
         stored[j] ^= 1 << j
-    batch = checks.checker(1, use_native).batch()
+    batch = checks.checker(1).batch()
     batch.check(memoryview(stored.tobytes()), chunk, [memoryview(b) for b in bufs], "hidden/9", 20)
     clean, stored_clean = chunked([300], chunk, 2)
     batch.check(stored_clean.tobytes(), chunk, clean, "hidden/3", 0)
@@ -133,69 +97,6 @@ def test_a_batch_names_the_first_bad_chunk_of_buffers_that_cross_chunk_edges(use
     else:
         batch.wait()
     assert first_bad(stored.tobytes(), chunk, bufs) == (bad[0] if bad else -1)  # the inline check agrees
-
-
-@native
-def test_a_native_batch_holds_its_buffers_until_wait():
-    bufs, stored = chunked([4096] * 63, 4096, 64)  # one buffer a chunk
-    checker = checks.native.Checker(1)
-    batch = checker.batch()
-    for k, buf in enumerate(bufs):
-        batch.submit(stored[k:k + 1].tobytes(), 4096, memoryview(buf))
-    with pytest.raises(BufferError):  # a buffer that is being checked cannot be resized under the check
-        bufs[-1].extend(b"x")
-    del bufs
-    gc.collect()
-    assert batch.wait() == []
-    assert batch.pending() == 0
-
-
-@native
-def test_a_native_batch_refuses_buffers_that_are_not_whole_chunks():
-    batch = checks.native.Checker(1).batch()
-    with pytest.raises(ValueError, match="not 2 chunks of 100 bytes"):
-        batch.submit(bytes(8), 100, bytes(150))
-    with pytest.raises(ValueError, match="not 0 chunks"):
-        batch.submit(bytes(3), 100, bytes(100))  # 3 bytes of stored crc32c
-    with pytest.raises(TypeError):
-        batch.submit(bytes(4), 100, 7)
-    assert batch.pending() == 0 and batch.wait() == []
-
-
-@native
-def test_native_threads_end_with_their_checker():
-    before = native_threads()
-    checker = checks.native.Checker(3)
-    checker.batch().wait()
-    for _ in range(100):  # a thread names itself when it starts
-        if native_threads() == before + 3:
-            break
-        time.sleep(0.02)
-    assert native_threads() == before + 3
-    del checker
-    gc.collect()
-    assert native_threads() == before  # joined by the checker's dealloc
-
-
-def _submit_in_child(batch, out):
-    try:
-        batch.submit(bytes(4), 1, bytes(1))
-    except RuntimeError as e:
-        out.put(str(e))
-    else:
-        out.put("submitted")
-
-
-@native
-def test_a_native_checker_refuses_work_in_a_forked_child():
-    """Its threads do not survive fork: a child's reader makes its own (reader._process_state)."""
-    ctx = multiprocessing.get_context("fork")
-    batch, out = checks.native.Checker(1).batch(), ctx.Queue()
-    child = ctx.Process(target=_submit_in_child, args=(batch, out))
-    child.start()
-    child.join(60)
-    assert "forked child" in out.get(timeout=10)
-    assert child.exitcode == 0
 
 
 CHUNK = 16 * H * 2 + 4  # chunk_tokens 16, bf16, crc32c trailer
@@ -220,19 +121,16 @@ DAMAGE = {
 }
 
 
-@pytest.mark.parametrize("threads,run_chunks,use_native", [
-    (0, None, False), (1, 1, False), (2, 2, False), (1, None, False),
-    pytest.param(1, 1, True, marks=native), pytest.param(2, 2, True, marks=native), pytest.param(1, 3, True, marks=native)])
+@pytest.mark.parametrize("threads,run_chunks", [(0, None), (1, 1), (2, 2), (1, 3), (1, None)])
 @pytest.mark.parametrize("damage", list(DAMAGE))
-def test_every_corrupt_byte_a_read_touches_is_named_by_its_chunk(store, monkeypatch, damage, threads, run_chunks,
-                                                                use_native):
+def test_every_corrupt_byte_a_read_touches_is_named_by_its_chunk(store, monkeypatch, damage, threads, run_chunks):
     url, shard, clean = store
     if run_chunks:  # runs of one or two chunks, each checked by whichever thread takes it
         monkeypatch.setattr(shard_reader_mod, "CHECK_BYTES", run_chunks * CHUNK)
     else:  # the default: one run for the whole read (not worth a thread at this size)
         monkeypatch.setattr(shard_reader_mod, "CHECK_BYTES", 64 << 20)
     reader = CacheReader(url)
-    reader.set_check_threads(threads, use_native)
+    reader.set_check_threads(threads)
     want, first = reader.read_array(0, "hidden/7", 20, 70), reader.read_array(0, "hidden/7", 0, 16)
     positions, chunk = DAMAGE[damage]
     data = bytearray(clean)
@@ -241,14 +139,13 @@ def test_every_corrupt_byte_a_read_touches_is_named_by_its_chunk(store, monkeypa
     try:
         shard.write_bytes(bytes(data))
         reader = CacheReader(url)
-        reader.set_check_threads(threads, use_native)
+        reader.set_check_threads(threads)
         with pytest.raises(ChecksumError, match=rf"p000000/hidden/7/c/0/0: chunk {chunk} checksum mismatch"):
             with reader.checked():
                 reader.read_array(0, "hidden/7", 20, 70)
                 reader.read_array(0, "hidden/3", 20, 70)  # a clean array read after it, same block
         if threads and run_chunks:  # the checks ran on the helpers asked for
-            kind = checks.NativeChecker if use_native else checks.Checker
-            assert isinstance(reader._process_state()[3]._checker, kind)
+            assert isinstance(reader._process_state()[3]._checker, checks.Checker)
         assert np.array_equal(reader.read_array(0, "hidden/7", 0, 16), first)  # chunk 0 is intact and reads
     finally:
         shard.write_bytes(clean)

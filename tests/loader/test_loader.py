@@ -123,15 +123,12 @@ def test_checks_on_checksum_threads_match_and_still_catch_a_flipped_bit(tmp_path
     import threading
 
     import deepspec.cache.shard_reader as shard_reader_mod
-    from deepspec.cache.checks import NativeChecker
-
     monkeypatch.setattr(shard_reader_mod, "CHECK_BYTES", 2 * (16 * H * 2 + 4))  # two chunks a task at H = 24
     parts = synthetic_parts(parts=2)
     url = write_store(str(tmp_path / "c.zarr"), parts)
     threaded = TargetCacheDataset(url, check_threads=3)
     check_round_trip(threaded, parts, "bfloat16")
-    checker = threaded.reader._process_state()[3]._checker  # the checks ran on helper threads: native or Python
-    assert isinstance(checker, NativeChecker) or any(t.name.startswith("crc32c") for t in threading.enumerate())
+    assert any(t.name.startswith("crc32c") for t in threading.enumerate())  # the checks ran on helper threads
     shard = Path(url) / "parts" / "p000001" / "hidden" / "3" / "c" / "0" / "0"
     data = bytearray(shard.read_bytes())
     data[3 * (16 * H * 2 + 4) + 7] ^= 0x10  # one bit inside chunk 3
