@@ -10,11 +10,10 @@ A run of chunks is checked with one crc32c call over all its bytes against `crc3
 their stored CRCs (the GIL is released once per run, not once per 320 KB chunk); a mismatch then
 names the first bad chunk.
 
-There is no native checker: a C one (never taking the GIL, polling before it slept) measured no
-faster than these checks in the configuration a trainer runs, a DataLoader over random batches
-with deepspec's collator at H = 2,560 (benchmarks/checks_workers.py, two runs on 2 cores, native /
-inline samples/s: 1.04 and 1.01 at num_workers 0, 0.90 and 1.04 at 2, 1.03 and 0.89 at 4, each
-contender's rounds 5-20 % apart), so it and its build step were removed.
+There is no native checker: a C one (never taking the GIL) measured no faster than these checks, by
+more than the noise, in the configuration a trainer reads in (a DataLoader with deepspec's
+collator, benchmarks/checks_workers.py; the numbers are in docs/scale.md "Checksums"), so it and
+its build step were removed.
 """
 from __future__ import annotations
 
