@@ -88,7 +88,7 @@ def main() -> None:
     try:
         if args.target is None:
             from deepspec.config import SplitConfig
-            from deepspec.embedded.corpus import builtin_train_rows
+            from deepspec.embedded.tiny import builtin_train_rows
 
             rows = builtin_train_rows(SplitConfig())
             target = random_target(root / "target", rows)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from deepspec.data.chat_client import Endpoint
 from deepspec.data.journal import Journal
 from deepspec.data.regen import model_eos, request_token_bound, run_regen
 from deepspec.data.servers import cb_budget, launch_transformers_serve
-from deepspec.embedded.corpus import builtin_train_rows
+from deepspec.embedded.tiny import builtin_train_rows
 
 
 def build_default_shaped_target(out: Path, rows: list[dict]) -> Path:

@@ -2,8 +2,7 @@
 import json
 from pathlib import Path
 
-from deepspec.embedded.corpus import builtin_synthetic_rows, builtin_train_rows
-from deepspec.embedded.tiny import train_tiny
+from deepspec.embedded.tiny import builtin_synthetic_rows, builtin_train_rows, train_tiny
 from deepspec.models.prepare import prepare_target
 from deepspec.models.target import TargetError
 from deepspec.stage import StageError, configure_threads, run_stage

@@ -6,17 +6,12 @@ they are correct and the corpus is identical on every machine. Rows are in Open-
 """
 from __future__ import annotations
 
-import dataclasses
 import random
 import re
 from importlib import resources
 from typing import Iterator
 
 import yaml
-
-from deepspec.config import SplitConfig
-from deepspec.data.conversation import conversation_id, normalize_conversation
-from deepspec.data.split import is_eval, split_rows
 
 GENERATOR_SEED = 20261129
 SIZES = {"math": 600, "code": 300, "instruction": 600}
@@ -217,27 +212,3 @@ def generated_rows(sizes: dict[str, int] = SIZES, seed: int = GENERATOR_SEED) ->
 def builtin_chat_rows() -> Iterator[dict]:
     yield from chatterbot_rows()
     yield from generated_rows()
-
-
-# ---- the tiny target's training rows ------------------------------------------------------------
-
-def builtin_train_rows(cfg: SplitConfig) -> list[dict]:
-    """The train side of the packaged corpus under this split's seed and test fraction: what the
-    builtin target learns from, whatever `split.source` the pipeline later reads (so growing the data
-    lake never retrains the target, and the eval rows stay unseen)."""
-    return split_rows(dataclasses.replace(cfg, source="builtin:chat")).train
-
-
-def builtin_synthetic_rows(cfg: SplitConfig, n: int) -> list[dict]:
-    """`n` extra generated math/code/instruction rows (a different generator seed from the packaged
-    corpus) for the builtin target to learn the task formats from. Rows whose opening prompt falls on
-    the eval side of this split are dropped, so the eval prompts stay unseen by construction."""
-    total = sum(SIZES.values())
-    sizes = {task: -(-n * k // total) for task, k in SIZES.items()}
-    rows = []
-    for raw in generated_rows(sizes, seed=cfg.seed + 1_000_003):
-        turns = normalize_conversation(raw)
-        if not is_eval(turns, cfg):
-            rows.append({"id": conversation_id(turns), "task": raw["task"],
-                         "source": raw["source"].replace("generated/", "synthetic/"), "conversations": turns})
-    return rows[:n]

@@ -8,6 +8,7 @@ weight on the rest (plain next-token pretraining), packed into fixed-length rows
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -18,11 +19,13 @@ from pathlib import Path
 
 import torch
 
-from deepspec.config import TinyTargetConfig
-from deepspec.data.split import prompt_key
+from deepspec.config import SplitConfig, TinyTargetConfig
+from deepspec.data.conversation import conversation_id, normalize_conversation
+from deepspec.data.split import is_eval, prompt_key, split_rows
+from deepspec.embedded.corpus import SIZES, generated_rows
 from deepspec.data.template import encode_conversation
-from deepspec.io import hash_unit
 from deepspec.embedded.muon import Muon
+from deepspec.io import hash_unit
 from deepspec.models.target import default_generation_config
 from deepspec.progress import progress
 
@@ -228,6 +231,28 @@ def train_tiny(cfg: TinyTargetConfig, rows: list[dict], seed: int, out_dir: Path
     }
     log.info("tiny target trained: %s", json.dumps(metrics))
     return metrics
+
+
+def builtin_train_rows(cfg: SplitConfig) -> list[dict]:
+    """The train side of the packaged corpus under this split's seed and test fraction: what the
+    builtin target learns from, whatever `split.source` the pipeline later reads (so growing the data
+    lake never retrains the target, and the eval rows stay unseen)."""
+    return split_rows(dataclasses.replace(cfg, source="builtin:chat")).train
+
+
+def builtin_synthetic_rows(cfg: SplitConfig, n: int) -> list[dict]:
+    """`n` extra generated math/code/instruction rows (a different generator seed from the packaged
+    corpus) for the builtin target to learn the task formats from. Rows whose opening prompt falls on
+    the eval side of this split are dropped, so the eval prompts stay unseen by construction."""
+    total = sum(SIZES.values())
+    sizes = {task: -(-n * k // total) for task, k in SIZES.items()}
+    rows = []
+    for raw in generated_rows(sizes, seed=cfg.seed + 1_000_003):
+        turns = normalize_conversation(raw)
+        if not is_eval(turns, cfg):
+            rows.append({"id": conversation_id(turns), "task": raw["task"],
+                         "source": raw["source"].replace("generated/", "synthetic/"), "conversations": turns})
+    return rows[:n]
 
 
 def trainer_on(rows: list[dict]):

@@ -2,7 +2,8 @@
 from deepspec.config import SplitConfig
 from deepspec.data.conversation import normalize_prompt
 from deepspec.data.split import prompt_key, split_rows
-from deepspec.embedded.corpus import builtin_chat_rows, builtin_synthetic_rows, number_words
+from deepspec.embedded.corpus import builtin_chat_rows, number_words
+from deepspec.embedded.tiny import builtin_synthetic_rows
 
 
 def test_synthetic_rows_for_the_builtin_target_never_hold_an_eval_prompt():
