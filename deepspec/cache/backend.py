@@ -1,6 +1,8 @@
-"""The store interface: what the writer, the reader, `verify`, `info` and the loader need from a backend.
+"""The store interface: what the reader, `verify`, `info` and the loader need from a backend
+(`CacheStore`), and what the writer needs besides (`WritableStore`).
 
-A backend (`zarr_store.ZarrStore`, `hdf5_store.HDF5Store`) knows its own layout on disk; everything
+A backend (`zarr_store.ZarrStore`, `hdf5_store.HDF5Store`, read-only; `zarr_write.ZarrStoreWriter`,
+`hdf5_write.HDF5StoreWriter`, their write side) knows its own layout on disk; everything
 above it (part packing, the lease, commit/resume/growth/multi-rank rules, the loader's byte-range
 fast path, checksums) is shared. `tests/cache/test_conformance.py` runs one suite against every
 backend. The manifest travels as a typed `Manifest` (manifest.py).
@@ -60,14 +62,14 @@ class CacheStore(ABC):
 
     kind: ClassVar[str]
     layout_entries: ClassVar[frozenset[str]]  # what the store root holds besides the lease
+    writable: ClassVar[bool] = False  # WritableStore: a store not created yet reads as empty
 
-    def __init__(self, url: str, storage_options: dict | None = None, writable: bool = False):
+    def __init__(self, url: str, storage_options: dict | None = None):
         from deepspec.cache.store import is_remote
 
         self.url = url
         self.storage_options = storage_options
         self.remote = is_remote(url)
-        self.writable = writable
 
     # ---- manifest ----------------------------------------------------------------------------
     @abstractmethod
@@ -128,22 +130,12 @@ class CacheStore(ABC):
         """Bytes [start, end) of one store key, in one request."""
 
     @abstractmethod
-    def write_index(self, rows: np.ndarray) -> dict:
-        """Write the consolidated index `rows` (uint64 [samples, 6], INDEX_COLUMNS) as a new object
-        named by its content (an index is never overwritten: a manifest recorded elsewhere keeps
-        pointing at the rows it was written with); returns its manifest descriptor
-        {"key", "offset", "nbytes", "crc32c", "samples", "columns"}."""
-
-    @abstractmethod
     def index_keys(self) -> list[str]:
         """The names of the index objects the store holds (a local writer deletes those no manifest uses)."""
 
     @abstractmethod
     def index_key(self, name: str) -> str:
         """The store key of index object `name` (what a manifest's index descriptor names)."""
-
-    @abstractmethod
-    def delete_index(self, name: str) -> None: ...
 
     def part_rows(self, name: str, attrs: dict) -> "PartRows":
         """(lengths, sample ids, keys) of a committed part: from its commit record when that carries
@@ -172,11 +164,45 @@ class CacheStore(ABC):
         except (CacheFormatError, KeyError):
             return False
 
+    # ---- listing -----------------------------------------------------------------------------
+    @abstractmethod
+    def committed_parts(self) -> dict[str, dict]:
+        """Committed part name -> {"samples", "tokens", "rank", ...}, by name."""
+
+    # ---- reading -----------------------------------------------------------------------------
+    @abstractmethod
+    def layout(self, part: PartEntry, array: str) -> ArrayLayout | None:
+        """The fast path's view of an array, or None when it must be read through the library."""
+
+    @abstractmethod
+    def read_slow(self, part: PartEntry, array: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) through the backend's own library (zarr-python / h5py)."""
+
+    @abstractmethod
+    def array_rows(self, part: PartEntry, array: str) -> int: ...
+
+
+class WritableStore(CacheStore):
+    """A store a writer creates, adds parts to, consolidates and prunes (CacheWriter); the reading
+    side is CacheStore's. Commit, resume and pruning rules: docs/cache-format.md §7."""
+
+    writable = True
+
+    @abstractmethod
+    def write_index(self, rows: np.ndarray) -> dict:
+        """Write the consolidated index `rows` (uint64 [samples, 6], INDEX_COLUMNS) as a new object
+        named by its content (an index is never overwritten: a manifest recorded elsewhere keeps
+        pointing at the rows it was written with); returns its manifest descriptor
+        {"key", "offset", "nbytes", "crc32c", "samples", "columns"}."""
+
+    @abstractmethod
+    def delete_index(self, name: str) -> None: ...
+
     @abstractmethod
     def write_manifest(self, manifest: Manifest) -> None:
         """Replace the root manifest (Manifest.stored_dict) in one atomic, durable step."""
 
-    # ---- listing, debris, damage (writers) ----------------------------------------------------
+    # ---- listing, debris, damage -------------------------------------------------------------
     @abstractmethod
     def refuse_foreign(self, keep: set[str]) -> None:
         """Raise CacheFormatError unless the location is empty or holds this kind of cache."""
@@ -184,10 +210,6 @@ class CacheStore(ABC):
     @abstractmethod
     def prune_debris(self, keep: set[str]) -> None:
         """Delete whatever an interrupted writer leaves: temp files, uncommitted parts, unknown entries."""
-
-    @abstractmethod
-    def committed_parts(self) -> dict[str, dict]:
-        """Committed part name -> {"samples", "tokens", "rank", ...}, by name."""
 
     @abstractmethod
     def part_damage(self, name: str, arrays: list[str]) -> str | None:
@@ -208,18 +230,6 @@ class CacheStore(ABC):
         given, runs once the part exists and before its arrays are written: a derive links the
         arrays it keeps from its source there (Zarr only; other backends refuse it). The rows of the
         arrays without `data` come from `feed`, an iterable of {array name: rows}, in order."""
-
-    # ---- reading -----------------------------------------------------------------------------
-    @abstractmethod
-    def layout(self, part: PartEntry, array: str) -> ArrayLayout | None:
-        """The fast path's view of an array, or None when it must be read through the library."""
-
-    @abstractmethod
-    def read_slow(self, part: PartEntry, array: str, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) through the backend's own library (zarr-python / h5py)."""
-
-    @abstractmethod
-    def array_rows(self, part: PartEntry, array: str) -> int: ...
 
 
 @dataclass

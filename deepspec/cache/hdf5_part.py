@@ -1,26 +1,21 @@
-"""One HDF5 part file through h5py (docs/cache-format.md §11): writing it complete (every array of
-the part a chunked dataset with Fletcher-32 per chunk, after the Blosc filter when a codec is set;
-rows handed over whole or streamed from a feed through spool files; the file's own chunk table
-stored inside it as the dataset `chunk_index`, whose byte range and crc32c the caller records), and
-what h5py needs to read one back (the Blosc plugin registered, no cyclic garbage collection while
-it reads a file object on S3). HDF5Store (hdf5_store.py) keeps the store's layout, commits and listings.
+"""One HDF5 part file written through h5py (docs/cache-format.md §11), complete: every array of the
+part a chunked dataset with Fletcher-32 per chunk, after the Blosc filter when a codec is set; rows
+handed over whole or streamed from a feed through spool files; the file's own chunk table stored
+inside it as the dataset `chunk_index`, whose byte range and crc32c the caller records.
+HDF5StoreWriter (hdf5_write.py) commits it; hdf5_h5py.py is what h5py needs to read one back.
 """
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
-import threading
-from functools import lru_cache
 
 import numpy as np
 from crc32c import crc32c
 
 from deepspec.cache.backend import ArraySpec
 from deepspec.cache.format import BLOSC, FORMAT, CacheFormatError
-
-INDEX_DATASET = "chunk_index"
+from deepspec.cache.hdf5_h5py import INDEX_DATASET
 
 
 def h5_compression(codec: str) -> dict:
@@ -120,36 +115,3 @@ def write_part_file(path: str, arrays: list[ArraySpec], attrs: dict, feed=None) 
         where = [int(idx.id.get_offset()), len(blob), crc32c(blob)]
         f.attrs.update({**attrs, "format": FORMAT, INDEX_DATASET: where})
     return where
-
-
-_GC_LOCK = threading.Lock()
-_gc_holds = 0
-_gc_was_enabled = False
-
-
-@contextlib.contextmanager
-def no_cyclic_gc():
-    """No automatic cyclic garbage collection, in any thread, while h5py reads a file object on S3.
-    h5py holds its global lock while it calls the file object's read(), and an S3 read waits for
-    fsspec's IO thread; a collection that starts on that thread and frees an h5py object (one a
-    reference cycle kept: a frame held by an exception's traceback, ...) waits for the same lock:
-    both threads wait forever (h5py's File docs on file-like objects; h5py/h5py#2019)."""
-    global _gc_holds, _gc_was_enabled
-    with _GC_LOCK:
-        if _gc_holds == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_holds += 1
-    try:
-        yield
-    finally:
-        with _GC_LOCK:
-            _gc_holds -= 1
-            if _gc_holds == 0 and _gc_was_enabled:
-                gc.enable()
-
-
-@lru_cache(maxsize=1)
-def register_plugins() -> None:
-    """Importing hdf5plugin registers the Blosc filter with the HDF5 library h5py uses."""
-    import hdf5plugin  # noqa: F401

@@ -1,6 +1,6 @@
-"""The store implementations by kind: the one place that knows both (a writer or reader names a
+"""The store implementations by kind, read-only: the one place that knows both (a reader names a
 kind, or finds it with backend.detect, and gets its class here), and whether a location is free
-for a new store of either kind (refuse_existing)."""
+for a new store of either kind (refuse_existing). Their write side: store_writers.py."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,11 +28,7 @@ def open_cache(url: str, storage_options: dict | None = None) -> CacheStore:
     kind = detect(url, storage_options)
     if kind is None:
         raise CacheFormatError(f"{url}: not a cache store (no zarr.json or manifest.json)")
-    return backend_class(kind)(url, storage_options, writable=False)
-
-
-def open_for_write(url: str, kind: str, storage_options: dict | None = None) -> CacheStore:
-    return backend_class(kind)(url, storage_options, writable=True)
+    return backend_class(kind)(url, storage_options)
 
 
 def refuse_existing(url: str, storage_options: dict | None) -> None:

@@ -24,14 +24,15 @@ import threading
 import numpy as np
 import torch
 
-from deepspec.cache.backend import PART_NAME, ArraySpec, CacheStore, PartRows, detect, entry_of, index_rows, split_index
+from deepspec.cache.backend import (PART_NAME, ArraySpec, PartRows, WritableStore, detect, entry_of, index_rows,
+                                    split_index)
 from deepspec.cache.format import (INDEX_COLUMNS, CacheFormatError, encode_hidden, hidden_name,
                                    key_to_str, part_arrays, part_name, sample_keys, scale_name)
 from deepspec.cache.lease import DEFAULT_TTL_S, LEASE_NAME, acquire, join
 from deepspec.cache.manifest import Manifest, PartEntry, manifest_mismatch
 from deepspec.cache.part_data import PartData, PartFeed
 from deepspec.cache.store import is_remote
-from deepspec.cache.stores import backend_class, open_for_write
+from deepspec.cache.store_writers import open_for_write
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ TOKEN_CHUNK_1D = 1024  # input_ids / loss_mask / scales: a sample reads one or t
 
 class CacheWriter:
     """Writes parts into one store, of the backend the manifest's `storage` names ("zarr", the
-    default, or "hdf5"; backend.CacheStore). Rank 0 (the default) takes the store's lease
+    default, or "hdf5"; backend.WritableStore). Rank 0 (the default) takes the store's lease
     (deepspec.cache.lease) before touching anything; the other ranks of the same job pass its
     `run_id` and join that lease. Call `release()` (or use the writer as a context manager) when
     done. A store whose content fields (or backend) differ is pruned when `prune_stale` (default:
@@ -78,7 +79,7 @@ class CacheWriter:
         try:
             if rank == 0:
                 self._switch_backend(not self.remote if prune_stale is None else prune_stale)
-            self.store: CacheStore = open_for_write(url, self.manifest.storage, storage_options)
+            self.store: WritableStore = open_for_write(url, self.manifest.storage, storage_options)
             if rank == 0:
                 self.store.refuse_foreign(self.keep_at_root)
                 # a remote store is named by its content (store.store_url): one that differs is someone
@@ -109,7 +110,7 @@ class CacheWriter:
         if not prune_stale:
             raise CacheFormatError(f"{self.url}: existing cache does not match ({why}); refusing to "
                                    "overwrite it — delete it or choose another cache.url")
-        old = backend_class(kind)(self.url, self.storage_options, writable=True)
+        old = open_for_write(self.url, kind, self.storage_options)
         old.refuse_foreign(self.keep_at_root)
         log.warning("%s: existing cache is stale (%s): deleting it", self.url, why)
         old.delete_all()

@@ -196,9 +196,9 @@ def test_an_s3_shard_larger_than_an_upload_block_is_a_create_only_multipart_uplo
     import fsspec
 
     from deepspec.cache.store import PartConflict, storage_options_for
-    from deepspec.cache.zarr_store import ZarrStore
+    from deepspec.cache.zarr_write import ZarrStoreWriter
 
-    monkeypatch.setattr(ZarrStore, "UPLOAD_BLOCK", 5 << 20)  # S3's smallest part
+    monkeypatch.setattr(ZarrStoreWriter, "UPLOAD_BLOCK", 5 << 20)  # S3's smallest part
     bucket = f"conf-{uuid.uuid4().hex[:12]}"
     moto.bucket(bucket)
     url = f"s3://{bucket}/store"
@@ -217,7 +217,7 @@ def test_an_s3_shard_larger_than_an_upload_block_is_a_create_only_multipart_uplo
     etag = fs.info(f"{root}/{key}")["ETag"]
     assert etag.strip('"').endswith("-3")  # a multipart upload's ETag: 3 parts of <= 5 MB
 
-    store = ZarrStore(url, moto.storage_options, writable=True)
+    store = ZarrStoreWriter(url, moto.storage_options)
     sink = store._open_shard(key)
     sink.write(b"\0" * (11 << 20))
     with pytest.raises(PartConflict, match="another writer created"):

@@ -21,9 +21,9 @@ def store_files(url: str) -> dict[str, int]:
 def interrupted_build(work: Path, monkeypatch, fail_at: int = 3) -> tuple[str, list[str]]:
     """A build that stops while writing its `fail_at`-th part (0-based, in write order): the parts
     before it are committed. Returns the store's url and the names of the parts it started."""
-    from deepspec.cache.zarr_store import ZarrStore
+    from deepspec.cache.zarr_write import ZarrStoreWriter
 
-    real = ZarrStore._open_shard
+    real = ZarrStoreWriter._open_shard
     seen: list[str] = []
 
     def failing(self, key):  # the part's hidden shards are opened once its small arrays are written
@@ -34,10 +34,10 @@ def interrupted_build(work: Path, monkeypatch, fail_at: int = 3) -> tuple[str, l
             raise OSError(5, "Input/output error")
         return real(self, key)
 
-    monkeypatch.setattr(ZarrStore, "_open_shard", failing)
+    monkeypatch.setattr(ZarrStoreWriter, "_open_shard", failing)
     with pytest.raises(Exception, match="Input/output error"):
         build(work, part_tokens=200)
-    monkeypatch.setattr(ZarrStore, "_open_shard", real)
+    monkeypatch.setattr(ZarrStoreWriter, "_open_shard", real)
     return str(work / "data" / "cache.zarr"), seen
 
 
