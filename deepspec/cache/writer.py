@@ -4,7 +4,7 @@ A part is written array by array into `parts/<name>/`; on a local filesystem eve
 directory of it is then fsynced, and only then is the part group's `committed` attribute set (a
 durable replace). On opening, rank 0 deletes everything a killed writer leaves (uncommitted parts,
 zarr's `*.partial` temp files, anything else that is not part of the layout) and checks every
-committed part of a local store cheaply (verify.part_damage): a damaged one is deleted, and the
+committed part of a local store cheaply (the store's part_damage): a damaged one is deleted, and the
 run computes it again (a part's name is its content, so it is the same part).
 
 Committing a part writes only that part's own objects (its commit record carries the part's sample
