@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -179,6 +180,9 @@ def run_split(cfg: SplitConfig, out_dir: str | Path = "data/split") -> dict:
     replaces the outputs (a bad source leaves the previous ones, or none, in place)."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
+    for debris in out.parent.glob(f".{out.name}.*"):  # the new files of a run that was killed
+        if debris.is_dir():
+            shutil.rmtree(debris, ignore_errors=True)
     summary = SplitSummary()
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
         files = {kind: open(Path(tmp) / f"{kind}.jsonl", "w", encoding="utf-8") for kind in OUTPUTS}

@@ -149,6 +149,23 @@ def test_unreadable_source_leaves_previous_outputs_intact(tmp_path):
     assert (out / "train.jsonl").read_bytes() == before
 
 
+def test_the_new_files_of_a_killed_split_are_removed_by_the_next(tmp_path):
+    """A run killed while it streamed leaves its temporary directory beside the outputs (what
+    TemporaryDirectory cannot clean up after SIGKILL); the next run removes it and nothing else."""
+    src = write_jsonl(tmp_path / "src.jsonl", GOOD)
+    out = tmp_path / "out"
+    debris = tmp_path / ".out.k1ll3d"
+    debris.mkdir()
+    (debris / "train.jsonl").write_text('{"id": "half a')
+    keep = [tmp_path / ".outside", tmp_path / "out.bak"]
+    for p in keep:
+        p.mkdir()
+    report = run_split(SplitConfig(source=str(src)), out)
+    assert not debris.exists() and all(p.is_dir() for p in keep)
+    assert report["train"] == len((out / "train.jsonl").read_text().splitlines())
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # its own temporary is gone too
+
+
 def test_split_is_deterministic_and_seeded(tmp_path):
     src = write_jsonl(tmp_path / "src.jsonl", GOOD * 1)
     a = split_rows(SplitConfig(source=str(src), seed=1, test_fraction=0.3))
