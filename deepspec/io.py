@@ -111,10 +111,11 @@ class IdIndex:
             self._db.execute(f"PRAGMA {pragma}")
         self._db.execute("CREATE TABLE rows (id TEXT PRIMARY KEY, offset INTEGER NOT NULL) WITHOUT ROWID")
 
-    def add(self, row_id: str, offset: int) -> None:
-        """Record `row_id` at `offset` unless it is there already (the first copy counts)."""
+    def add(self, row_id: str, offset: int) -> bool:
+        """Record `row_id` at `offset` unless it is there already (the first copy counts); whether
+        it was new."""
         with self._lock:
-            self._db.execute("INSERT OR IGNORE INTO rows VALUES (?, ?)", (row_id, offset))
+            return self._db.execute("INSERT OR IGNORE INTO rows VALUES (?, ?)", (row_id, offset)).rowcount == 1
 
     def add_many(self, pairs: Iterable[tuple[str, int]]) -> None:
         """`add` for each pair, in one transaction (a pass over a long file)."""

@@ -111,6 +111,10 @@ class Journal:
         offset = self.index.get(row_id)
         if offset is None:
             raise KeyError(row_id)
+        return self.read_at(offset)
+
+    def read_at(self, offset: int) -> dict:
+        """The row whose line starts at `offset` (an offset the index gave)."""
         if self._reader is None:
             self._reader = open(self.rows_path, "rb")
         self._reader.seek(offset)
@@ -166,17 +170,21 @@ class FinishedRows(Iterable):
     def __init__(self, journal: Journal, rows: Iterable[dict]):
         self._journal, self._rows = journal, rows
 
-    def _finished(self) -> Iterator[str]:
-        return (r["id"] for r in self._rows if r["id"] in self._journal.done)
+    def _offsets(self) -> Iterator[int]:
+        """The journal offset of each finished row, one index lookup a row."""
+        for r in self._rows:
+            offset = self._journal.index.get(r["id"])
+            if offset is not None:
+                yield offset
 
     def __len__(self) -> int:
-        return sum(1 for _ in self._finished())
+        return sum(1 for _ in self._offsets())
 
     def __getitem__(self, k: int) -> dict:
         return list(self)[k]
 
     def __iter__(self) -> Iterator[dict]:
-        return (self._journal.read(i) for i in self._finished())
+        return (self._journal.read_at(offset) for offset in self._offsets())
 
     def __eq__(self, other) -> bool:
         return list(self) == list(other)

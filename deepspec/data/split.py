@@ -97,7 +97,7 @@ def classify_rows(cfg: SplitConfig, summary: SplitSummary) -> Iterator[tuple[str
                 row_notes: list[str] = []
                 turns = normalize_conversation(raw.row, cfg.leading_assistant, row_notes)
                 row_id = conversation_id(turns)
-                if row_id in seen:
+                if not seen.add(row_id, summary.read):
                     raise RowRejected("duplicate", f"same content as an earlier row (id {row_id})")
             except RowRejected as e:
                 rejected = {"where": raw.where, "reason": e.reason, "detail": e.detail}
@@ -106,7 +106,6 @@ def classify_rows(cfg: SplitConfig, summary: SplitSummary) -> Iterator[tuple[str
                     summary.first_rejected.append(rejected)
                 yield "rejected", rejected
                 continue
-            seen.add(row_id, summary.read)
             summary.adjusted.update(row_notes)
             task = str(raw.row.get("task") or raw.row.get("category") or "unknown")
             summary.tasks[task] += 1
