@@ -293,19 +293,26 @@ def run_regen_rss(root: Path, rows: int, mode: str, args) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@section
-def regen_rss(args) -> None:
-    sizes = [int(s) for s in args.regen_rows.split(",")]
+def streamed_vs_held(prefix: str, sizes: list[int], run) -> list[list]:
+    """`run(root, size, mode)` for each size, streamed then held, in one temporary directory: table
+    rows of (mode, size, MB above baseline, that vs the smallest size, wall s)."""
     out = []
-    with tempfile.TemporaryDirectory(prefix="scale-regen-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         for mode in ("streamed", "held"):
             first = None
             for n in sizes:
-                r = run_regen_rss(Path(tmp), n, mode, args)
+                r = run(Path(tmp), n, mode)
                 above = (r["peak_kb"] - r["baseline_kb"]) / 1024
                 first = first if first is not None else above
                 out.append([mode, n, round(above, 1), f"{above / first:.2f}x", r["wall_s"]])
                 print(f"  {mode} {n}: {json.dumps(r)}", file=sys.stderr)
+    return out
+
+
+@section
+def regen_rss(args) -> None:
+    sizes = [int(s) for s in args.regen_rows.split(",")]
+    out = streamed_vs_held("scale-regen-", sizes, lambda root, n, mode: run_regen_rss(root, n, mode, args))
     table(f"regen stage, journal recovery + output in input order: peak RSS above baseline vs journal rows "
           f"({args.row_chars}-char answers)", ["mode", "rows", "MB above baseline", "vs smallest", "wall s"], out)
 
@@ -346,16 +353,7 @@ def run_split_rss(root: Path, rows: int, mode: str, args) -> dict:
 @section
 def split_rss(args) -> None:
     sizes = [int(s) for s in args.regen_rows.split(",")]
-    out = []
-    with tempfile.TemporaryDirectory(prefix="scale-split-") as tmp:
-        for mode in ("streamed", "held"):
-            first = None
-            for n in sizes:
-                r = run_split_rss(Path(tmp), n, mode, args)
-                above = (r["peak_kb"] - r["baseline_kb"]) / 1024
-                first = first if first is not None else above
-                out.append([mode, n, round(above, 1), f"{above / first:.2f}x", r["wall_s"]])
-                print(f"  {mode} {n}: {json.dumps(r)}", file=sys.stderr)
+    out = streamed_vs_held("scale-split-", sizes, lambda root, n, mode: run_split_rss(root, n, mode, args))
     table(f"split stage: peak RSS above baseline vs source rows ({args.row_chars}-char answers)",
           ["mode", "rows", "MB above baseline", "vs smallest", "wall s"], out)
 
