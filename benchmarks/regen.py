@@ -44,9 +44,10 @@ def run(client: Client, ep: Endpoint, prompts: list[str], sampling: SamplingConf
 
 def run_local(model: str, prompts: list[str], sampling: SamplingConfig, batch: int) -> tuple[dict, list[str]]:
     from deepspec.data.generate import LocalGenerator
+    from deepspec.models.target import load_causal_lm
 
     gen = LocalGenerator(Path(model), RegenConfig(backend="local", concurrency=batch), sampling,
-                         model_eos(Path(model)))
+                         lambda device: load_causal_lm(model, device), model_eos(Path(model)))
     t0, tokens, texts = time.time(), 0, []
     for a in range(0, len(prompts), batch):
         chunk = [gen.prompt([{"role": "user", "content": p}]) for p in prompts[a:a + batch]]

@@ -189,6 +189,9 @@ class TrainConfig:
     read_ahead: Annotated[Int, Field(ge=1)] = 16
     seed: Annotated[Int, Field(ge=0)] = 0
     threads: Annotated[Int, Field(ge=0)] = 0
+    # multi-rank: how long a collective waits for the slowest rank (rank 0 alone reads the corpus for
+    # EAGLE-3's vocabulary, or writes a checkpoint, while the others wait)
+    collective_timeout_s: Annotated[Int, Field(ge=10)] = 1800
 
 
 @section

@@ -6,15 +6,12 @@ metrics). The store written is `cache.url` itself for a local path, `<cache.url>
 remote lake (docs/cache-format.md §9); data/cache/manifest.json records its full URL for `train`.
 """
 import json
-import os
-from datetime import timedelta
 from pathlib import Path
-
-import torch
 
 from deepspec.cache.build import build_cache
 from deepspec.cache.format import CacheFormatError
 from deepspec.cache.verify import disk_usage
+from deepspec.distributed import launch
 from deepspec.io import write_json
 from deepspec.stage import StageError, configure_threads, run_stage
 
@@ -31,37 +28,13 @@ def split_timings(report: dict) -> dict:
 def main(params):
     cfg = params.cache
     configure_threads(cfg.threads)
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device("cpu")
-    barrier = share = gather = None
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    if world > 1:
-        import torch.distributed as dist
-
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.collective_timeout_s))
-        barrier = dist.barrier
-
-        def share(value):  # rank 0's value on every rank (the job's lease run id, the store snapshot)
-            box = [value]
-            dist.broadcast_object_list(box, src=0, device=device if backend == "nccl" else None)
-            return box[0]
-
-        def gather(value):  # every rank's value, in rank order (the input index shares)
-            out = [None] * world
-            dist.all_gather_object(out, value)
-            return out
-    try:
-        report = build_cache(cfg, params.layers, Path("data/regen/train.jsonl"), Path("data/target"),
-                             rank, world, barrier, device, share=share, gather=gather)
-    except CacheFormatError as e:
-        raise StageError(str(e)) from None
-    finally:
-        if world > 1:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
+    with launch(cfg.collective_timeout_s) as d:
+        try:
+            report = build_cache(cfg, params.layers, Path("data/regen/train.jsonl"), Path("data/target"),
+                                 d.rank, d.world, d.device, share=d.share, gather=d.gather)
+        except CacheFormatError as e:
+            raise StageError(str(e)) from None
+        rank = d.rank
     if rank != 0:
         return
     manifest = report.pop("manifest")

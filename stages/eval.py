@@ -2,8 +2,7 @@
 import json
 from pathlib import Path
 
-import torch
-
+from deepspec.devices import local_device
 from deepspec.evaluate.run import compact_metrics, evaluate, plot_rows
 from deepspec.evaluate.suites import PromptError, load_suite
 from deepspec.io import write_json, write_jsonl
@@ -16,7 +15,7 @@ HELDOUT = Path("data/split/eval.jsonl")
 def main(params):
     cfg = params.eval
     configure_threads(cfg.threads)
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = local_device()
     try:
         suites = {s.name: load_suite(s, HELDOUT) for s in cfg.suites}  # every suite readable before any decoding
         report, rows = evaluate(Path("data/target"), Path("data/draft"), suites, cfg, params.sampling, device)

@@ -12,7 +12,8 @@ from deepspec.data.regen import (SplitRows, model_eos, regen_fingerprint, reprod
 from deepspec.data.generate import run_local
 from deepspec.data.servers import ServerError, cb_budget, launch_sglang, launch_transformers_serve
 from deepspec.io import write_json
-from deepspec.models.target import load_identity
+from deepspec.devices import local_device
+from deepspec.models.target import compute_dtype, load_causal_lm, load_identity
 from deepspec.stage import StageError, run_stage
 
 log = logging.getLogger("regen")
@@ -58,13 +59,17 @@ def main(params):
         raise StageError("regen: data/split/train.jsonl has no rows to regenerate (the split stage's "
                          "output; check split.source and data/split/report.json)")
     identity = load_identity(TARGET)
+    device = local_device()  # regen.backend local runs the target on this process's accelerator
+    # what the local backend's floats depend on beyond the target (whose identity covers its attention kernel)
+    compute = {"dtype": compute_dtype(device)} if cfg.backend == "local" else None
     try:
-        journal = Journal(OUT / "journal", regen_fingerprint(cfg, params.sampling, identity))
+        journal = Journal(OUT / "journal", regen_fingerprint(cfg, params.sampling, identity, compute))
     except JournalError as e:
         raise StageError(str(e)) from None
     try:
         if cfg.backend == "local":
-            ordered, errors = run_local(rows, TARGET, cfg, params.sampling, journal, model_eos(TARGET))
+            ordered, errors = run_local(rows, TARGET, cfg, params.sampling, journal,
+                                        lambda dev: load_causal_lm(TARGET, dev), model_eos(TARGET), device)
         else:
             ordered, errors = through_servers(cfg, params.sampling, rows, journal)
         finish(cfg, params, n_rows, ordered, errors, identity)  # reads the finished rows back from the journal

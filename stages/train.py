@@ -5,15 +5,12 @@ nccl on GPU). Resume state lives in data/train_state/ (not a DVC output, so DVC 
 checkpoints made under other params are set aside, then deleted once this run has saved one
 (README: "Training longer, and what a resume keeps").
 """
-import gc
 import json
-import os
 from pathlib import Path
-
-import torch
 
 from deepspec.cache.format import CacheFormatError
 from deepspec.cache.store import built_manifest, built_store_url
+from deepspec.distributed import launch
 from deepspec.stage import StageError, configure_threads, run_stage
 from deepspec.train.checkpoint import CheckpointError
 from deepspec.train.run import run_training
@@ -23,33 +20,21 @@ from deepspec.train.trainer import TrainError
 def main(params):
     cfg = params.train
     configure_threads(cfg.threads)
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
-        else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # the object collectives (resume agreement, checkpoint gather) use it
-    if world > 1:
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if cfg.algorithm == "eagle3" and cfg.layers is None and rank == 0:
-        print(f"eagle3: train.layers not set, fusing cached layers {params.train_layers} (lowest, middle, highest "
-              f"of {params.layers}); set train.layers to choose three others", flush=True)
-    final, error = None, None
-    try:
-        store = built_store_url(params.cache.url)  # cache.url itself, or the stage's store in an S3 lake
-        final = run_training(cfg, params.train_layers, store, Path("data/target"), Path("data/draft"),
-                             Path("data/train"), Path("data/train_state"), params.cache.storage_options,
-                             rank, world, device, manifest=built_manifest())
-    except (CacheFormatError, CheckpointError, TrainError) as e:
-        error = str(e)  # only the message: the exception's frames hold the trainer and its DDP module
-    finally:
-        if world > 1:
-            # Free what holds the process group (DDP, the trainer) while the interpreter is whole: left to
-            # interpreter shutdown, gloo's destructor joins its threads there and can hang the worker.
-            gc.collect()
-            torch.distributed.destroy_process_group()
+    with launch(cfg.collective_timeout_s) as d:
+        if cfg.algorithm == "eagle3" and cfg.layers is None and d.rank == 0:
+            print(f"eagle3: train.layers not set, fusing cached layers {params.train_layers} (lowest, middle, highest "
+                  f"of {params.layers}); set train.layers to choose three others", flush=True)
+        final, error = None, None
+        try:
+            store = built_store_url(params.cache.url)  # cache.url itself, or the stage's store in an S3 lake
+            final = run_training(cfg, params.train_layers, store, Path("data/target"), Path("data/draft"),
+                                 Path("data/train"), Path("data/train_state"), params.cache.storage_options,
+                                 d.rank, d.world, d.device, manifest=built_manifest())
+        except (CacheFormatError, CheckpointError, TrainError) as e:
+            error = str(e)  # only the message: the exception's frames hold the trainer and its DDP module
     if error:
         raise StageError(error)
-    if rank == 0:
+    if d.rank == 0:
         print(json.dumps(final))
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from deepspec.cache.format import CacheFormatError, bytes_per_token, encode_hidden, part_name
+from deepspec.cache.format import CacheFormatError, bytes_per_token, encode_hidden_on_device, part_name
 from deepspec.cache.plan import part_ranges, store_order
 from deepspec.cache.lease import new_run_id
 from deepspec.cache.store import check_lake, is_remote, store_url
@@ -30,6 +30,7 @@ from deepspec.cache.regen_rows import (EncodeRules, RowIndex, Sample, index_shar
                                        part_samples)
 from deepspec.cache.writer import CacheWriter
 from deepspec.config import CacheConfig
+from deepspec.devices import HostCopies
 from deepspec.models.capture import forward_capture
 from deepspec.models.target import check_layers, compute_settings, load_causal_lm, load_identity
 from deepspec.progress import progress
@@ -67,24 +68,26 @@ def length_batches(samples: list[Sample], batch_tokens: int) -> list[list[int]]:
 
 def forward_batches(model, samples: list[Sample], layers: list[int], batch_tokens: int, pad_id: int,
                     device: torch.device, dtype: str = "bfloat16"):
-    """Forward passes over `samples` in order; yields each batch's hidden states, already encoded
-    ({layer or "last": (bits, scale)}, the batch's rows back to back in sample order), so the writer
-    thread only checksums and writes."""
+    """Forward passes over `samples` in order; yields each batch's hidden states as a devices.HostBatch
+    whose result() is {layer or "last": (bits, scale)}, the batch's rows back to back in sample order,
+    already encoded, so the writer thread only waits for the copy, checksums and writes. On a GPU the
+    copies to pinned host buffers run on a copy stream while the next batch's forward computes."""
+    copies = HostCopies(device)
+    pin = device.type == "cuda"
     for batch in length_batches(samples, batch_tokens):
-        longest = max(len(samples[i].input_ids) for i in batch)
-        ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), longest), dtype=torch.long)
-        for row, i in enumerate(batch):
-            n = len(samples[i].input_ids)
-            ids[row, :n] = torch.tensor(samples[i].input_ids)
-            mask[row, :n] = 1
-        captured, last = forward_capture(model, ids.to(device), mask.to(device), layers)
-        # right padding: a sample's rows are its first n positions
         lengths = [len(samples[i].input_ids) for i in batch]
-        out = {}
-        for layer, values in [*((k, captured[k]) for k in layers), ("last", last)]:
-            out[layer] = encode_hidden(torch.cat([values[row, :n] for row, n in enumerate(lengths)]), dtype)
-        yield out
+        longest = max(lengths)
+        # right padding: a sample's rows are its first n positions
+        ids = torch.full((len(batch), longest), pad_id, dtype=torch.long, device="cpu", pin_memory=pin)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long, device="cpu", pin_memory=pin)
+        for row, (i, n) in enumerate(zip(batch, lengths)):
+            ids[row, :n] = torch.as_tensor(samples[i].input_ids, device="cpu")
+            mask[row, :n] = 1
+        captured, last = forward_capture(model, ids.to(device, non_blocking=True),
+                                         mask.to(device, non_blocking=True), layers)
+        rows = [*((k, captured[k]) for k in layers), ("last", last)]
+        yield copies.copy({layer: encode_hidden_on_device(torch.cat([values[row, :n] for row, n in enumerate(lengths)]),
+                                                          dtype) for layer, values in rows})
 
 
 def part_header(name: str, samples: list[Sample]) -> PartData:
@@ -109,7 +112,7 @@ def compute_part(model, name: str, samples: list[Sample], layers: list[int], bat
     part = part_header(name, samples)
     batches = forward_batches(model, samples, layers, batch_tokens, pad_id, device, dtype)
     if writer is None:
-        got = list(batches)
+        got = [b.result() for b in batches]
         part.hidden = {k: (np.concatenate([b[k][0] for b in got]),
                            None if got[0][k][1] is None else np.concatenate([b[k][1] for b in got]))
                        for k in [*layers, "last"]}
@@ -157,14 +160,14 @@ def load_target(target_dir: Path, device: torch.device, compute: dict | None = N
 
 
 def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir: Path,
-                rank: int = 0, world: int = 1, barrier=None, device: torch.device | None = None,
+                rank: int = 0, world: int = 1, device: torch.device | None = None,
                 prune_stale: bool | None = None, share=None, gather=None) -> dict:
     """Compute and write every missing part of the store for `cfg.url` (store.store_url: the path
     itself, or `<lake>/<store key>` on a remote URL); returns the stage report (rank 0's view,
-    `report["url"]` is the store written). Multi-rank: `barrier()` synchronises the ranks and
-    `share(value)` returns rank 0's value on every rank (it passes the job's lease run id) and
-    `gather(value)` every rank's value, in rank order, on every rank (the index shares)."""
-    from deepspec.cache.derive import Derivation, prepare
+    `report["url"]` is the store written). Multi-rank: `share(value)` returns rank 0's value on every
+    rank (the job's lease run id, the derivation, the store snapshot) and `gather(value)` every rank's
+    value, in rank order, on every rank (the index shares, the counts); both also synchronise the ranks."""
+    from deepspec.cache.derive import Derivation, follow, prepare
 
     t0 = time.time()
     device = device or torch.device("cpu")
@@ -200,16 +203,18 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
             if remote:
                 check_lake(cfg.url, cfg.storage_options)
             t_derive = time.time()
-            derivation = prepare(cfg, manifest, url, world)  # where the store's parts can come from
+            derivation = prepare(cfg, manifest, url)  # where the store's parts can come from
             derivation.started = t_derive
             writer = CacheWriter(derivation.write_url, derivation.manifest(manifest), cfg.storage_options, rank=0,
                                  prune_stale=prune_stale, run_id=run_id)
-        if barrier:
-            barrier()
-        if writer is None:
-            writer = CacheWriter(url, manifest, cfg.storage_options, rank=rank, run_id=run_id)
+        if world > 1:
+            # also the barrier: every rank writes where rank 0 does and derives from the same source
+            plan = share(derivation.plan if rank == 0 else None)
+            if rank > 0:
+                derivation = follow(url, plan, cfg.storage_options, manifest)
+                writer = CacheWriter(derivation.write_url, manifest, cfg.storage_options, rank=rank, run_id=run_id)
         report = _build(writer, cfg, layers, regen_path, ident, tokenizer, get_model, pad_id, device,
-                        rank, world, barrier, share, gather, derivation.source)
+                        rank, world, share, gather, derivation.source)
         writer.release()
         derivation.finish()  # a local in-place derive: the new store takes the old one's place
     except BaseException:
@@ -220,7 +225,7 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
     report["url"] = url
     report["wall_s"] = round(time.time() - t0, 2)
     if rank == 0:
-        derive = derivation.report(report.pop("parts_computed"))
+        derive = derivation.report(report.pop("parts_computed"), report.pop("parts_derived"))
         if derive["source"] is not None:
             # the derive's own work: everything from choosing the source to the swap, less the target's
             derive["wall_s"] = round(time.time() - derivation.started - model_box.get("load_s", 0.0)
@@ -236,7 +241,7 @@ class EmptyInput(CacheFormatError):
 
 
 def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path: Path, ident: dict, tokenizer,
-           get_model, pad_id: int, device: torch.device, rank: int, world: int, barrier, share, gather,
+           get_model, pad_id: int, device: torch.device, rank: int, world: int, share, gather,
            source=None) -> dict:
     """Write every planned part the store lacks: taken from `source` (deepspec.cache.derive) when it
     holds a part of the same content, else computed with the target; then list exactly the planned
@@ -251,10 +256,13 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
         shares = [index_share(tokenizer, regen_path, rules)]
     index = merge_shares(regen_path, shares)  # every rank raises the same error for an unreadable row
     plan = plan_store(index, part_tokens_for(cfg, ident["hidden_size"]))
+    # the parts the store has, and those of the rest the source holds (derived, not computed)
     have = writer.committed_parts() if rank == 0 else None
+    derivable = {name for name, _ in plan if name not in have and name in source.by_name} \
+        if rank == 0 and source is not None else set()
     if world > 1:
-        # also the barrier: every rank plans from the same store snapshot, before any rank commits a part
-        have = share(have)
+        # also the barrier: every rank plans from rank 0's snapshot of both, before any rank commits a part
+        have, derivable = share((have, derivable))
     todo = [(name, rows) for name, rows in plan if name not in have]
     cached = int(sum(len(rows) for name, rows in plan if name in have))
     if not len(index.lengths):
@@ -263,12 +271,16 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
             f"all {index.rows} rows were dropped ({', '.join(f'{k}: {v}' for k, v in sorted(reasons.items()))})"
         raise EmptyInput(f"{regen_path}: nothing to cache: {why}; check the regen stage's output "
                          "(data/regen/train.jsonl and data/regen/errors.jsonl)")
-    mine = todo[rank * len(todo) // world:(rank + 1) * len(todo) // world]  # a contiguous sample range
+    # derivable and computed parts are shared among the ranks each on its own (a contiguous range of
+    # each), so a layer subset or dtype change under a multi-rank launcher spreads the derive over every
+    # rank and takes no target forward, and no rank derives while another computes everything
+    kinds = [t for t in todo if t[0] in derivable], [t for t in todo if t[0] not in derivable]
+    mine = [t for kind in kinds for t in kind[rank * len(kind) // world:(rank + 1) * len(kind) // world]]
     log.info("cache: %d rows, %d usable, %d parts planned: %d already in the store (%d samples), %d to write "
              "(%d on this rank)", index.rows, len(index.lengths), len(plan), len(plan) - len(todo), cached,
              len(todo), len(mine))
 
-    forward_s, computed = 0.0, 0
+    forward_s, computed, derived = 0.0, 0, 0
     bar = progress(total=int(sum(index.lengths[rows].sum() for _, rows in mine)), unit="tok", desc=f"cache[{rank}]",
                dynamic_ncols=True, disable=rank != 0 and world > 1)
     try:
@@ -283,6 +295,7 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
                 computed += 1
             else:
                 writer.submit(part)
+                derived += 1
             del samples  # the next part's samples are tokenised before this name is rebound
             bar.update(part.tokens)
         writer.close(consolidate=False)  # rank 0 consolidates once, below, after every rank
@@ -291,13 +304,14 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
         raise
     finally:
         bar.close()
-    if barrier:
-        barrier()
+    counts = gather((computed, derived, forward_s)) if world > 1 else [(computed, derived, forward_s)]  # also the barrier
+    computed, derived = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    forward_s = max(c[2] for c in counts)
     report = {"rows": index.rows, "samples": len(index.lengths), "dropped": index.dropped,
               "dropped_by_reason": dict(sorted(collections.Counter(d["reason"] for d in index.dropped).items())),
               "adjusted": index.adjusted, "rows_indexed_by_rank": [sh.index.rows for sh in shares],
               "parts": len(plan), "parts_kept": len(plan) - len(todo), "samples_kept": cached,
-              "forward_s": round(forward_s, 2), "parts_computed": computed}
+              "forward_s": round(forward_s, 2), "parts_computed": computed, "parts_derived": derived}
     if rank == 0:
         # the planned parts, in plan order (other ranks' parts too); the parts of an earlier input
         # leave the listing (and, locally, the store)

@@ -78,12 +78,20 @@ def _read_manifest(url: str, storage_options: dict | None) -> dict | None:
 @dataclass
 class Derivation:
     """What build_cache does: write the store at `url` (through `write_url`: the url itself, or a
-    staging sibling swapped in by `finish`), taking parts from `source` where it can."""
+    staging sibling swapped in by `finish`), taking parts from `source` where it can. Rank 0 decides
+    (`prepare`); every other rank of a multi-rank build follows its decision (`follow`), and only
+    rank 0, the `lead`, swaps a staging store into place."""
     url: str
     write_url: str
     source: Source | None = None
     reason: str | None = None
     started: float = field(default_factory=time.time)
+    lead: bool = True
+
+    @property
+    def plan(self) -> tuple[str, str | None]:
+        """What another rank needs to follow this derivation: (write_url, source url or None)."""
+        return self.write_url, self.source.url if self.source else None
 
     @property
     def staging(self) -> bool:
@@ -99,7 +107,7 @@ class Derivation:
         rename the new one in, delete the old. `recover` repairs a kill at any point of this."""
         if self.source is not None:
             self.source.release()
-        if not self.staging:
+        if not self.staging or not self.lead:
             return
         url, old = local_path(self.url), local_path(self.url + OLD)
         parent = url.parent
@@ -113,9 +121,9 @@ class Derivation:
         if self.source is not None:
             self.source.release()
 
-    def report(self, parts_computed: int) -> dict:
-        out = {"source": self.source.url if self.source else None,
-               "parts_derived": self.source.parts_derived if self.source else 0,
+    def report(self, parts_computed: int, parts_derived: int) -> dict:
+        """`parts_computed` / `parts_derived`: summed over every rank of the build."""
+        out = {"source": self.source.url if self.source else None, "parts_derived": parts_derived,
                "parts_computed": parts_computed}
         if self.source is not None:
             out["derived_from"] = provenance(self.source.url, self.source.manifest)
@@ -145,10 +153,19 @@ def drop_staging(url: str) -> None:
         shutil.rmtree(staging)
 
 
-def prepare(cfg, want: dict, url: str, world: int = 1) -> Derivation:
+def follow(url: str, plan: tuple[str, str | None], storage_options: dict | None, want: dict) -> Derivation:
+    """A rank > 0's side of rank 0's derivation (`Derivation.plan`): it writes into the same store and
+    reads derivable parts from the same source (unleased: rank 0 holds the lease of a source it replaces)."""
+    write_url, source_url = plan
+    want = dict(want, format=FORMAT, format_version=FORMAT_VERSION)
+    source = Source(source_url, storage_options, want) if source_url else None
+    return Derivation(url, write_url, source, lead=False)
+
+
+def prepare(cfg, want: dict, url: str) -> Derivation:
     """Decide where the store `want` at `url` comes from: a source it can be derived from (the store
     at a local `url` when its content differs, `cache.derive_from`, or another store of the lake),
-    or the target alone (`reason` says why)."""
+    or the target alone (`reason` says why). Rank 0 decides; the other ranks `follow`."""
     remote = is_remote(url)
     want = dict(want, format=FORMAT, format_version=FORMAT_VERSION)
     if not remote:
@@ -159,8 +176,6 @@ def prepare(cfg, want: dict, url: str, world: int = 1) -> Derivation:
         choice = ""  # the store being replaced: derived next to itself, as by default
     if choice == "none":
         return _computed(url, remote, "cache.derive_from is none")
-    if world > 1:
-        return _computed(url, remote, "a derive runs in one process; this build has several ranks")
     so = cfg.storage_options
     if choice:
         src = _read_manifest(choice, so)

@@ -94,17 +94,23 @@ def inner_codecs(codec: str, typesize: int):
 # ---- value encodings -------------------------------------------------------------------------
 
 def encode_hidden(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """[T, H] float tensor (any device) -> (stored bits, per-token float32 scale or None), on the host.
-    Encoding where the tensor lives halves the device-to-host copy."""
+    """[T, H] float tensor (any device) -> (stored bits, per-token float32 scale or None), on the host."""
+    bits, scale = encode_hidden_on_device(x, dtype)
+    return bits.cpu().numpy(), None if scale is None else scale.cpu().numpy()
+
+
+def encode_hidden_on_device(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[T, H] float tensor -> (stored bits as uint16 or uint8, per-token float32 scale or None), on the
+    tensor's own device: encoding where the tensor lives halves the device-to-host copy (fp8)."""
     if dtype == "bfloat16":
-        return x.to(torch.bfloat16).contiguous().view(torch.uint16).cpu().numpy(), None
+        return x.to(torch.bfloat16).contiguous().view(torch.uint16), None
     # fp8 is a function of the bfloat16 values (docs/cache-format.md §5): a store derived from a
     # bfloat16 store (deepspec.cache.derive) then holds exactly what the stage writes itself
     xf = x.to(torch.bfloat16).float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(torch.uint8).cpu().numpy(), scale.squeeze(-1).cpu().numpy().astype(np.float32)
+    return q.view(torch.uint8), scale.squeeze(-1).float()
 
 
 _FP8_LUT: dict[str, np.ndarray] = {}
@@ -114,7 +120,7 @@ def _fp8_tables() -> tuple[np.ndarray, np.ndarray]:
     """float32 value of every fp8 byte, and of every byte pair (as one uint64 of two float32s).
     A table gather is ~5x faster than torch's fp8 -> float cast on CPU, and exact."""
     if not _FP8_LUT:
-        one = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+        one = torch.arange(256, dtype=torch.uint8, device="cpu").view(torch.float8_e4m3fn).float().numpy()
         i = np.arange(1 << 16)
         _FP8_LUT["one"] = one
         _FP8_LUT["pair"] = np.ascontiguousarray(np.stack([one[i & 255], one[i >> 8]], axis=1)).view(np.uint64).ravel()

@@ -66,7 +66,9 @@ class PartFeed:
             except queue.Full:
                 continue
 
-    def put(self, hidden: dict) -> None:
+    def put(self, hidden) -> None:
+        """`hidden`: {layer: (bits, scale)}, or a devices.HostBatch whose result() is that once its
+        device-to-host copies have landed (the writer thread waits for them, not the computing one)."""
         self._put(hidden)
 
     def close(self) -> None:
@@ -90,6 +92,8 @@ class PartFeed:
         while (item := self._queue.get()) is not self._END:
             if item is self._ABORT:
                 raise FeedAborted("the part's computation stopped before its last batch")
+            if not isinstance(item, dict):  # a batch whose host copies may still be in flight
+                item = item.result()
             out = {}
             for layer, (bits, scale) in item.items():
                 out[hidden_name(layer)] = bits

@@ -53,7 +53,7 @@ def read_samples(reader: CacheReader, indices: list[int], layers: list, fields: 
             item[field] = torch.from_numpy(values[at])
             continue
         n = len(layers) if field == "hidden" else 1
-        out = torch.empty((n, len(values[at]), H), dtype=torch.bfloat16)
+        out = torch.empty((n, len(values[at]), H), dtype=torch.bfloat16, device="cpu")
         for k in range(n):
             decode_hidden(values[at + 2 * k], values[at + 2 * k + 1], reader.dtype, out=out[k])
         item[field] = out if field == "hidden" else out[0]

@@ -20,10 +20,11 @@ def is_remote(url: str) -> bool:
 
 def storage_options_for(url: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Explicit options win; for s3 an endpoint from the environment (AWS_ENDPOINT_URL) is honoured.
-    Never let a client fall back to the instance-metadata address."""
+    Credentials are botocore's to find, instance-profile credentials (the EC2 metadata service) included:
+    nothing here changes the process's environment (off EC2, `AWS_EC2_METADATA_DISABLED=true` in the
+    environment skips that probe, which is the user's choice to make)."""
     opts = dict(options or {})
     if url.startswith("s3://"):
-        os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint and "endpoint_url" not in opts and "endpoint_url" not in opts.get("client_kwargs", {}):
             opts["endpoint_url"] = endpoint

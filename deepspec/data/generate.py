@@ -17,13 +17,14 @@ draws the token itself; `generate` then runs greedy over the result, which leave
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
 
 from deepspec.config import RegenConfig, SamplingConfig
 from deepspec.data.chat_client import request_seed
+from deepspec.devices import draw, generator, local_device
 from deepspec.io import hash_unit
 from deepspec.progress import progress
 
@@ -42,11 +43,13 @@ def batch_ranges(ids: list[str], size: int) -> list[tuple[int, int]]:
 
 class RowSampler:
     """A logits processor that draws each row's next token from that row's own generator and
-    returns scores whose only finite entry is the drawn token."""
+    returns scores whose only finite entry is the drawn token. The generators are made at the first
+    call, on the device of the scores they draw for."""
 
     def __init__(self, sampling: SamplingConfig, seeds: list[int]):
         self.sampling = sampling
-        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+        self.seeds = list(seeds)
+        self.generators: list[torch.Generator] | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         s = self.sampling
@@ -64,22 +67,29 @@ class RowSampler:
         probs = logits.softmax(-1)
         if s.min_p > 0:
             probs = probs.masked_fill(probs < s.min_p * probs.max(-1, keepdim=True).values, 0.0)
+        if self.generators is None:
+            self.generators = [generator(probs.device, s) for s in self.seeds]
         out = torch.full_like(scores, float("-inf"))
         for i, g in enumerate(self.generators):
-            out[i, torch.multinomial(probs[i], 1, generator=g)] = 0.0
+            out[i, draw(probs[i], g)] = 0.0
         return out
 
 
 class LocalGenerator:
-    """The target, in this process, answering batches of conversations turn by turn."""
+    """The target, in this process, answering batches of conversations turn by turn, on `device`
+    (default: this process's accelerator, else the CPU). `load_model(device)` returns the target
+    in eval mode on that device (the stage passes models.target.load_causal_lm: bfloat16 on a GPU,
+    float32 on a CPU, as every stage runs it)."""
 
     def __init__(self, model_dir: Path, cfg: RegenConfig, sampling: SamplingConfig,
-                 eos_token_id: int | list[int] | None = None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+                 load_model: Callable[[torch.device], object], eos_token_id: int | list[int] | None = None,
+                 device: torch.device | None = None):
+        from transformers import AutoTokenizer, GenerationConfig
 
         self.cfg, self.sampling = cfg, sampling
+        self.device = device or local_device()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model = load_model(self.device)
         eos = eos_token_id if eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos])
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos)
@@ -100,11 +110,10 @@ class LocalGenerator:
     def answer(self, prompts: list[list[int]], seeds: list[int]) -> list[tuple[str, str, int]]:
         """(content, finish_reason, completion tokens) for each prompt, generated as one batch."""
         longest = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), longest), self.pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):  # left padding: every row's next token is at the end
-            ids[i, longest - len(p):] = torch.tensor(p)
-            mask[i, longest - len(p):] = 1
+        # left padding: every row's next token is at the end
+        ids = torch.tensor([[self.pad] * (longest - len(p)) + p for p in prompts], dtype=torch.long, device=self.device)
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long,
+                            device=self.device)
         out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=self.gen,
                                   logits_processor=[RowSampler(self.sampling, seeds)])
         answers = []
@@ -164,7 +173,8 @@ def iter_batches(rows: Iterable[dict], size: int) -> Iterator[list[dict]]:
 
 
 def run_local(rows: Iterable[dict], model_dir: Path, cfg: RegenConfig, sampling: SamplingConfig, journal,
-              eos_token_id: int | list[int] | None = None):
+              load_model: Callable[[torch.device], object], eos_token_id: int | list[int] | None = None,
+              device: torch.device | None = None):
     """Regenerate every batch that holds a row not in the journal; returns (rows in input order,
     errors). A batch is always generated whole, so a row resumed after a crash gets the answer an
     uninterrupted run gives it. `rows` is iterated three times and held one batch at a time."""
@@ -174,7 +184,7 @@ def run_local(rows: Iterable[dict], model_dir: Path, cfg: RegenConfig, sampling:
         todo += r["id"] not in journal.done
     errors: list[dict] = []
     if todo:
-        gen = LocalGenerator(model_dir, cfg, sampling, eos_token_id)
+        gen = LocalGenerator(model_dir, cfg, sampling, load_model, eos_token_id, device)
         log.info("regen: %d rows, %d to generate (in their whole batches)", total, todo)
         bar = progress(total=total, initial=total - todo, unit="sample", desc="regen")
         for batch in iter_batches(rows, cfg.concurrency):

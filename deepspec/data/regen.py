@@ -72,11 +72,16 @@ def request_token_bound(tokenizer, rows: list[dict], sampling: SamplingConfig, d
     return longest + sampling.max_tokens
 
 
-def regen_fingerprint(cfg: RegenConfig, sampling: SamplingConfig, target_identity: dict | None) -> str:
+def regen_fingerprint(cfg: RegenConfig, sampling: SamplingConfig, target_identity: dict | None,
+                      compute: dict | None = None) -> str:
+    """`compute`: how a local backend runs the target beyond what its identity says (the dtype of the
+    device it runs on), which decides its floats as much as the batch plan does."""
     shape = {"target": target_identity, "sampling": to_dict(sampling), "backend": cfg.backend,
              "disable_thinking": cfg.disable_thinking, "model": cfg.model}
     if cfg.backend == "local":  # the batch plan decides the floats, so it shapes the answers too
         shape["batch"] = cfg.concurrency
+        if compute is not None:
+            shape["compute"] = compute
     return fingerprint(shape)
 
 

@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from deepspec.config import SamplingConfig
+from deepspec.devices import draw, generator
 from deepspec.models.capture import capture_layers
 
 
@@ -77,9 +78,10 @@ class Warp:
         return probs
 
     def sample(self, probs: torch.Tensor, gen: torch.Generator | None) -> int:
+        """A token from `probs`, drawn with `gen`, a generator on the probabilities' device."""
         if self.greedy:
             return int(probs.argmax(-1))
-        return int(torch.multinomial(probs, 1, generator=gen))
+        return int(draw(probs, gen))
 
 
 @dataclass
@@ -149,7 +151,8 @@ class BlockDrafter:
             tokens.append(tok)
             qs.append(q)
             prev = tok
-        return Proposal(tokens, torch.stack(qs), torch.tensor(conf).cumprod(0).tolist() if conf else None)
+        prefix = torch.tensor(conf, device="cpu").cumprod(0).tolist() if conf else None  # host floats
+        return Proposal(tokens, torch.stack(qs), prefix)
 
 
 class ChainDrafter:
@@ -236,7 +239,7 @@ class SpecDecoder:
     # ---- plain decoding ------------------------------------------------------------------------
     @torch.no_grad()
     def plain(self, prompt: list[int], max_new: int, warp: Warp, seed: int = 0) -> Result:
-        gen = torch.Generator().manual_seed(seed)
+        gen = generator(self.device, seed)  # draws for the target's probabilities, on their device
         t0 = time.perf_counter()
         cache = DynamicCache()
         logits, _ = self._target(prompt, cache, capture=False)
@@ -251,7 +254,7 @@ class SpecDecoder:
 
     @torch.no_grad()
     def speculative(self, prompt: list[int], max_new: int, warp: Warp, seed: int = 0) -> Result:
-        gen = torch.Generator().manual_seed(seed)
+        gen = generator(self.device, seed)  # draws for target and draft probabilities, on their device
         t0 = time.perf_counter()
         tcache = DynamicCache()
         self.drafter.reset()
@@ -276,7 +279,7 @@ class SpecDecoder:
                     ok = int(p[i].argmax()) == tok
                 else:
                     ratio = (p[i, tok] / q[i, tok].clamp_min(1e-12)).clamp(max=1.0)
-                    ok = bool(torch.rand((), generator=gen) < ratio)
+                    ok = bool(torch.rand((), generator=gen, device=ratio.device) < ratio)
                 if not ok:
                     break
                 accepted += 1

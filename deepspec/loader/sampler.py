@@ -38,8 +38,8 @@ class ResumableBatchSampler(Sampler[list[int]]):
         n = len(self.lengths)
         if not self.shuffle:
             return np.arange(n)
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(n, generator=g).numpy()
+        g = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + epoch)  # a host-side plan
+        return torch.randperm(n, generator=g, device="cpu").numpy()
 
     def global_batches(self, epoch: int) -> list[list[int]]:
         order = self._order(epoch)
@@ -67,8 +67,8 @@ class ResumableBatchSampler(Sampler[list[int]]):
                 if current:
                     batches.append(current)
             if self.group_by_length:  # keep the length grouping, not the length order
-                g = torch.Generator().manual_seed(self.seed * 7_919 + epoch)
-                batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+                g = torch.Generator(device="cpu").manual_seed(self.seed * 7_919 + epoch)
+                batches = [batches[i] for i in torch.randperm(len(batches), generator=g, device="cpu").tolist()]
         usable = len(batches) - len(batches) % self.world_size
         return batches[:usable]
 

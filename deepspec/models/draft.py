@@ -181,7 +181,7 @@ class DraftModel(nn.Module):
         self.fc = nn.Linear(config.target_hidden_size * len(config.target_layers), H, bias=False)
         self.hidden_norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
         # only a learned mask has its own parameter; a token's row is read from the frozen embeddings
-        self.mask_embedding = nn.Parameter(torch.zeros(H)) if config.mask_token_id < 0 else None
+        self.mask_embedding = nn.Parameter(torch.zeros(H, device="cpu")) if config.mask_token_id < 0 else None
         self.layers = nn.ModuleList(DraftLayer(qc, i) for i in range(config.num_layers))
         self.norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
         self.rotary = Qwen3RotaryEmbedding(qc)

@@ -31,7 +31,7 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, Ll
                                                       apply_rotary_pos_emb)
 
 from deepspec.models.draft import save_draft, target_embed
-from deepspec.models.objectives import LossOutput
+from deepspec.models.objectives import LossOutput, masked_mean
 
 EAGLE3_AUX_LAYERS = 3  # sglang fixes the fused input at 3 x target hidden
 
@@ -56,10 +56,10 @@ def vocab_map(counts: Counter | dict, draft_vocab_size: int, vocab_size: int) ->
         if len(chosen) >= draft_vocab_size:
             break
         chosen.add(t)
-    ids = torch.tensor(sorted(chosen), dtype=torch.long)
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    ids = torch.tensor(sorted(chosen), dtype=torch.long, device="cpu")  # maps a model takes with set_vocab
+    t2d = torch.zeros(vocab_size, dtype=torch.bool, device="cpu")
     t2d[ids] = True
-    return ids - torch.arange(draft_vocab_size), t2d
+    return ids - torch.arange(draft_vocab_size, device="cpu"), t2d
 
 
 def loss_token_counts(dataset) -> Counter:
@@ -127,9 +127,10 @@ class Eagle3Model(nn.Module):
         self.norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(H, Vd, bias=False)
         self.rotary = LlamaRotaryEmbedding(lc)
-        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
-        self.register_buffer("verifier_head", torch.zeros(0, H), persistent=False)
+        # buffers move with the model (`.to(device)`), like its parameters
+        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long, device="cpu"))
+        self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool, device="cpu"))
+        self.register_buffer("verifier_head", torch.zeros(0, H, device="cpu"), persistent=False)
         for name, p in self.named_parameters():
             if name not in self.FROZEN and p.ndim >= 2:
                 nn.init.normal_(p, std=0.02)
@@ -265,7 +266,7 @@ def eagle3_loss(model: Eagle3Model, batch: dict, ce_w: float, l1_w: float, decay
     h = model.fc(batch["hidden"][:, :n].to(dtype))
     t2d_index, draft_ids = model.target_to_draft(), model.draft_ids()
     past, loss = [], torch.zeros((), device=ids.device)
-    ce_sum = l1_sum = 0.0
+    ce_sum = l1_sum = torch.zeros((), dtype=torch.float64, device=ids.device)
     agree = torch.zeros(B, n, K, dtype=torch.bool, device=ids.device)
     alpha_full = torch.zeros(B, n, K, device=ids.device)
     for k in range(K):
@@ -288,21 +289,19 @@ def eagle3_loss(model: Eagle3Model, batch: dict, ce_w: float, l1_w: float, decay
             ce_c, l1_c, l1_rows, agree_rows = checkpoint(
                 _chunk_terms, model, head_rows[c], target_h[c], labels[c], wk[c], draft_ids, use_reentrant=False)
             loss = loss + (ce_w * ce_c + l1_w * l1_c) / total
-            ce_sum += float(ce_c.detach())
-            l1_sum += float(l1_c.detach())
+            ce_sum = ce_sum + ce_c.detach().double()
+            l1_sum = l1_sum + l1_c.detach().double()
             l1_all.append(l1_rows)
             agree_all.append(agree_rows)
         with torch.no_grad():
             agree[:, :, k][sel] = torch.cat(agree_all)
             alpha_full[:, :, k][sel] = (1 - 0.5 * torch.cat(l1_all)).clamp(0, 1)
-    metrics = {"ce": ce_sum / float(total), "l1": l1_sum / float(total), "supervised_slots": int(valid.sum()),
-               "weight": float(w.sum()), "loss": float(loss.detach())}
-    rows = valid[:, :, 0]
-    if rows.any():
-        metrics["tau_prob"] = float(1 + torch.cumprod(alpha_full, 2).sum(-1)[rows].mean())
-        metrics["tau_greedy"] = float(1 + torch.cumprod(agree.float(), 2).sum(-1)[rows].mean())
-    for k in range(K):
-        m = valid[:, :, k]
-        if m.any():
-            metrics[f"acc@{k}"] = float(agree[:, :, k][m].float().mean())
+    with torch.no_grad():  # tensors on the device: the trainer reads them back once per optimizer step
+        metrics = {"ce": ce_sum / total.double(), "l1": l1_sum / total.double(), "supervised_slots": valid.sum(),
+                   "weight": w.sum(), "loss": loss.detach()}
+        rows = valid[:, :, 0]
+        metrics["tau_prob"] = 1 + masked_mean(torch.cumprod(alpha_full, 2).sum(-1), rows)
+        metrics["tau_greedy"] = 1 + masked_mean(torch.cumprod(agree.float(), 2).sum(-1), rows)
+        for k in range(K):
+            metrics[f"acc@{k}"] = masked_mean(agree[:, :, k].float(), valid[:, :, k])
     return LossOutput(loss, metrics)

@@ -57,7 +57,7 @@ def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num: int,
     if isinstance(generator, np.random.Generator):
         noise = torch.from_numpy(generator.random((B, T), dtype=np.float32)).to(lm.device)
     else:
-        noise = torch.rand((B, T), generator=generator).to(lm.device)
+        noise = torch.rand((B, T), generator=generator, device=generator.device).to(lm.device)
     noise = torch.where(ok, noise, torch.full_like(noise, 2.0))  # invalid positions sort last
     n = min(num, T)
     order = noise.argsort(dim=1)[:, :n]
@@ -84,8 +84,15 @@ def block_mask(anchors: Anchors, lengths: torch.Tensor, T: int, block: int) -> t
 
 @dataclass
 class LossOutput:
+    """`metrics`: detached 0-d tensors on the loss's device, read back by the trainer once per optimizer
+    step (never per micro-batch). A rate over an empty set (no supervised block, no slot j) is NaN."""
     loss: torch.Tensor
     metrics: dict
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `values` where `mask`; NaN where the mask is empty (no host read to ask first)."""
+    return torch.where(mask, values, torch.zeros_like(values)).sum() / mask.sum()
 
 
 def _labels(batch: dict, anchors: Anchors, block: int):
@@ -142,13 +149,15 @@ def draft_loss(model, batch: dict, anchors: Anchors, ce_w: float, l1_w: float, c
     l1 = (p_draft - p_target).abs().sum(-1)
     alpha = (1 - 0.5 * l1).clamp(0, 1).detach()
     loss = (ce_w * (ce * w_sel).sum() + l1_w * (l1 * w_sel).sum()) / total
-    metrics = {"ce": (ce * w_sel).sum().item() / total.item(), "l1": (l1 * w_sel).sum().item() / total.item(),
-               "supervised_slots": int(sel.sum()), "weight": float(w.sum())}
+    with torch.no_grad():
+        denom = total.double()
+        metrics = {"ce": (ce * w_sel).sum().double() / denom, "l1": (l1 * w_sel).sum().double() / denom,
+                   "supervised_slots": sel.sum(), "weight": w.sum()}
     conf = model.confidence(h_sel, prev_sel)
     if conf is not None:
         bce = F.binary_cross_entropy_with_logits(conf, alpha, reduction="none")
         loss = loss + conf_w * (bce * w_sel).sum() / total
-        metrics["conf"] = (bce * w_sel).sum().item() / total.item()
+        metrics["conf"] = (bce.detach() * w_sel).sum().double() / denom
     with torch.no_grad():
         # acceptance estimates per slot: alpha (probabilistic), argmax agreement (greedy)
         full_alpha = torch.zeros(B, N, d, device=ids.device)
@@ -156,14 +165,9 @@ def draft_loss(model, batch: dict, anchors: Anchors, ce_w: float, l1_w: float, c
         agree = torch.zeros(B, N, d, dtype=torch.bool, device=ids.device)
         agree[sel] = draft_logits.argmax(-1) == target_logits.argmax(-1)
         blocks = valid[:, :, 0]
-        if blocks.any():
-            tau_p = 1 + torch.cumprod(full_alpha, dim=2).sum(-1)[blocks].mean()
-            tau_g = 1 + torch.cumprod(agree.float(), dim=2).sum(-1)[blocks].mean()
-            metrics["tau_prob"] = float(tau_p)
-            metrics["tau_greedy"] = float(tau_g)
+        metrics["tau_prob"] = 1 + masked_mean(torch.cumprod(full_alpha, dim=2).sum(-1), blocks)
+        metrics["tau_greedy"] = 1 + masked_mean(torch.cumprod(agree.float(), dim=2).sum(-1), blocks)
         for j in range(d):
-            m = valid[:, :, j]
-            if m.any():
-                metrics[f"acc@{j}"] = float(agree[:, :, j][m].float().mean())
-    metrics["loss"] = float(loss.detach())
+            metrics[f"acc@{j}"] = masked_mean(agree[:, :, j].float(), valid[:, :, j])
+        metrics["loss"] = loss.detach()
     return LossOutput(loss, metrics)

@@ -206,7 +206,7 @@ def embedding_weights(model_dir: str | Path, where: TargetEmbeddings | None = No
         return emb.weight.detach(), model.get_output_embeddings().weight.detach(), embed_scale(emb)
     text = AutoConfig.from_pretrained(model_dir).get_text_config()
     shape = (text.vocab_size, text.hidden_size)
-    embed, head = torch.empty(shape), torch.empty(shape)
+    embed, head = torch.empty(shape, device="cpu"), torch.empty(shape, device="cpu")
     where.read_into(embed, head)
     return embed, head, where.scale
 

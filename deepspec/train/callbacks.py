@@ -7,7 +7,7 @@ from pathlib import Path
 from deepspec.progress import progress
 
 
-TIMINGS = frozenset({"wall_s"})  # final metrics that depend on the machine, kept to metrics.json
+TIMINGS = frozenset({"wall_s", "data_wait_fraction"})  # final metrics that depend on the machine, kept to metrics.json
 
 
 class Callback:

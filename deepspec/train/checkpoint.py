@@ -47,7 +47,7 @@ def optimizer_tensors(opt: torch.optim.Optimizer, names: list[str]) -> tuple[dic
     index = {id(p): names[i] for i, p in enumerate(params)}
     for p, state in opt.state.items():
         for key, value in state.items():
-            t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            t = value if isinstance(value, torch.Tensor) else torch.tensor(value, device="cpu")
             tensors[f"{index[id(p)]}.{key}"] = t.detach().contiguous().cpu()
     stateless = [index[id(p)] for p in params if not opt.state.get(p)]
     return tensors, {"param_groups": groups, "stateless": stateless}

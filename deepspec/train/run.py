@@ -10,6 +10,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from deepspec import distributed
 from deepspec.config import ConfigError, TrainConfig, to_dict
 from deepspec.io import fingerprint
 from deepspec.loader.dataset import TargetCacheDataset
@@ -129,7 +130,7 @@ def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path, vocab_count
 # or added later, is in the fingerprint. The world size is checked on its own (a resume under another
 # one is refused, see Trainer.restore).
 RESUME_NEUTRAL = ("steps", "checkpoint_every", "keep_checkpoints", "num_workers", "read_ahead", "threads", "launcher",
-                  "layers")
+                  "layers", "collective_timeout_s")
 
 
 def distinct_token_ids(dataset) -> np.ndarray:
@@ -168,9 +169,7 @@ def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_di
                                         storage_options=storage_options, manifest=manifest)
             counts = loss_token_counts(tokens)
         if world > 1:
-            box = [counts]
-            torch.distributed.broadcast_object_list(box, src=0)
-            counts = box[0]
+            counts = distributed.share(counts, device)
     def cache_ids() -> np.ndarray:  # only read when no cheaper rule finds a mask token
         tokens = TargetCacheDataset(cache_url, layers=[], fields=("input_ids",),
                                     storage_options=storage_options, manifest=manifest)
@@ -183,9 +182,11 @@ def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_di
     ddp = None
     if world > 1:
         # every buffer is constant (rotary tables, EAGLE-3's vocabulary maps and the target's head it keeps for
-        # the loss): nothing to broadcast at each step
+        # the loss): nothing to broadcast at each step. Every trainable parameter of every algorithm takes
+        # part in each step's loss (tests/train/test_train.py checks it), so DDP need not search the graph
+        # for unused ones after each backward
         ddp = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True,
+            model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=False,
             broadcast_buffers=False)
     fp = resume_fingerprint(cfg, layers, identity["id"], dataset.manifest)
     # dvclive starts a fresh curve unless the trainer resumes (then it keeps the steps up to the checkpoint)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from deepspec import distributed
 from deepspec.config import TrainConfig
 from deepspec.loader.collate import collate
 from deepspec.loader.prefetch import Prefetcher
@@ -99,6 +100,7 @@ class Trainer:
         self.rank, self.world_size = rank, world_size
         self.device = device or torch.device("cpu")
         self.state = TrainState()
+        self.data_wait_s = 0.0     # time this rank spent waiting for its next batch (of `fit`)
         self.last_metrics: dict = {}      # of the latest step (restored on resume, so a finished run
         self.final_metrics: dict = {}     # that is resumed reports the same final numbers)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -236,11 +238,7 @@ class Trainer:
                         "once this run saves a checkpoint", beyond, self.cfg.steps, path.name)
 
     def _broadcast(self, obj):
-        if self.world_size == 1:
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
-        return box[0]
+        return obj if self.world_size == 1 else distributed.share(obj, self.device)
 
     def _log_horizon_change(self, old_steps: int) -> None:
         if old_steps == self.cfg.steps:
@@ -271,15 +269,13 @@ class Trainer:
         return path
 
     def _gather(self, obj):
-        if self.world_size == 1:
-            return [obj]
-        out = [None] * self.world_size
-        torch.distributed.all_gather_object(out, obj)
-        return out
+        return [obj] if self.world_size == 1 else distributed.gather(obj, self.device)
 
     # ---- the loop ------------------------------------------------------------------------------
-    def _batches(self):
-        """Batches from the current (epoch, position) on, across epochs, forever."""
+    def batches(self):
+        """Batches from the current (epoch, position) on, across epochs, forever: the DataLoader's
+        (`num_workers` loading processes) through the Prefetcher, on the trainer's device. `step` takes
+        its micro-batches from this (or from any iterator of such batches)."""
         while True:
             self.sampler.set_epoch(self.state.epoch)
             self.sampler.position = self.state.position
@@ -293,12 +289,11 @@ class Trainer:
             self.state.epoch += 1
             self.state.position = 0
 
-    def _global_weight(self, local: float) -> float:
-        """The sum of every rank's loss weight of this step."""
+    def _global_weight(self, local: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's loss weight of this step (a tensor on the device: no read-back)."""
         if self.world_size > 1:
-            t = torch.tensor([local], dtype=torch.float64, device=self.device)
-            torch.distributed.all_reduce(t)
-            local = float(t.item())
+            local = local.clone()
+            torch.distributed.all_reduce(local)
         return local
 
     def fit(self) -> dict:
@@ -306,74 +301,100 @@ class Trainer:
         self.restore()
         for cb in self.callbacks:
             cb.on_train_begin(self)
-        batches = self._batches()
+        batches = self.batches()
         self.module.train()
         t0 = time.time()
+        self.data_wait_s = 0.0
         while self.state.step < cfg.steps:
-            step = self.state.step
-            lr = cfg.lr * lr_factor(step, cfg)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            # Micro-batches stream: each is loaded, run backward and freed before the next, so a step
-            # holds one micro-batch whatever grad_accum is. The loss of a step is normalised by the
-            # global batch's weight, known only after the last one: each backward runs on the
-            # unnormalised sum and the accumulated gradients are divided once at the end (the
-            # gradient is linear in that factor).
-            agg: dict = {}
-            local_weight = 0.0
-            for m in range(cfg.grad_accum):
-                batch = next(batches)
-                anchors = sample_anchors(batch["loss_mask"], batch["lengths"].to(batch["loss_mask"].device),
-                                         cfg.anchors_per_sample, anchor_generator(cfg.seed, step, m, self.rank))
-                sync = m == cfg.grad_accum - 1 or self.world_size == 1
-                ctx = self.module.no_sync() if not sync and hasattr(self.module, "no_sync") else nullcontext()
-                with ctx, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                    out = self.module(batch, anchors, cfg.ce_weight, cfg.l1_weight, cfg.conf_weight,
-                                      cfg.decay_gamma, norm=1.0)
-                    out.loss.backward()
-                local_weight += out.metrics["weight"]  # this micro-batch's sum of loss weights
-                for k, v in out.metrics.items():  # loss terms add up over micro-batches, rates average
-                    agg[k] = agg.get(k, 0.0) + (v if k in LOSS_TERMS else v / cfg.grad_accum)
-                self.state.tokens += int(batch["lengths"].sum())
-                del batch, anchors, out
-            # DDP averaged the gradients over ranks: the global sum over the global weight is that mean
-            # times world / weight
-            scale = self.world_size / max(self._global_weight(local_weight), 1e-6)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-            agg = {k: v * scale if k in LOSS_TERMS else v for k, v in agg.items()}
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)) if cfg.grad_clip > 0 \
-                else 0.0
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.state.step += 1
-            if self.world_size > 1:
-                agg = self._mean_over_ranks(agg)
-            metrics = dict(agg, lr=lr, grad_norm=grad_norm, step=self.state.step)
+            metrics = self.step(batches)
             self.last_metrics = metrics
             for cb in self.callbacks:
                 cb.on_step_end(self, metrics)
             if self.state.step % cfg.checkpoint_every == 0 or self.state.step == cfg.steps:
                 self.save()
+        wall = time.time() - t0
         last = self.last_metrics
         self.final_metrics = {"final_loss": round(last.get("loss", float("nan")), 5),
                               "final_tau_greedy": round(last.get("tau_greedy", float("nan")), 4),
                               "steps": self.state.step, "tokens": self.state.tokens * self.world_size,
-                              "wall_s": round(time.time() - t0, 1)}
+                              "wall_s": round(wall, 1),
+                              # the share of the run's time this rank waited for its next batch
+                              "data_wait_fraction": round(self.data_wait_s / max(wall, 1e-9), 4)}
         for cb in self.callbacks:
             cb.on_train_end(self)
         return self.final_metrics
 
+    def step(self, batches) -> dict:
+        """One optimizer step over `grad_accum` micro-batches drawn from `batches`; returns its metrics.
+        Everything a micro-batch measures stays on the device; the step's metrics are read back once,
+        at its end (`_read_metrics`), so the host never waits for the device inside the step and the
+        prefetcher's next copy overlaps the compute."""
+        cfg = self.cfg
+        step = self.state.step
+        lr = cfg.lr * lr_factor(step, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        # Micro-batches stream: each is loaded, run backward and freed before the next, so a step holds
+        # one micro-batch whatever grad_accum is. The loss of a step is normalised by the global batch's
+        # weight, known only after the last one: each backward runs on the unnormalised sum and the
+        # accumulated gradients are divided once at the end (the gradient is linear in that factor).
+        sums: dict = {}    # loss terms add up over micro-batches; rates average over them
+        seen: dict = {}    # per rate: micro-batches that measured it (a rate over nothing is NaN)
+        local_weight = torch.zeros((), dtype=torch.float64, device=self.device)
+        for m in range(cfg.grad_accum):
+            t = time.perf_counter()
+            batch = next(batches)
+            self.data_wait_s += time.perf_counter() - t
+            anchors = sample_anchors(batch["loss_mask"], batch["lengths"].to(batch["loss_mask"].device),
+                                     cfg.anchors_per_sample, anchor_generator(cfg.seed, step, m, self.rank))
+            sync = m == cfg.grad_accum - 1 or self.world_size == 1
+            ctx = self.module.no_sync() if not sync and hasattr(self.module, "no_sync") else nullcontext()
+            with ctx, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                out = self.module(batch, anchors, cfg.ce_weight, cfg.l1_weight, cfg.conf_weight,
+                                  cfg.decay_gamma, norm=1.0)
+                out.loss.backward()
+            local_weight = local_weight + out.metrics["weight"].double()  # this micro-batch's sum of loss weights
+            for k, v in out.metrics.items():
+                v = v.double()
+                if k in LOSS_TERMS:
+                    sums[k] = sums.get(k, 0.0) + v
+                    continue
+                measured = ~torch.isnan(v)
+                sums[k] = sums.get(k, 0.0) + torch.where(measured, v, 0.0) / cfg.grad_accum
+                seen[k] = seen.get(k, 0) + measured
+            self.state.tokens += int(batch["tokens"])  # counted on the host by the collator
+            del batch, anchors, out
+        # DDP averaged the gradients over ranks: the global sum over the global weight is that mean
+        # times world / weight
+        scale = self.world_size / self._global_weight(local_weight).clamp_min(1e-6)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        sums = {k: v * scale if k in LOSS_TERMS else v for k, v in sums.items()}
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip) if cfg.grad_clip > 0 \
+            else torch.zeros((), device=self.device)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.step += 1
+        metrics = self._read_metrics(dict(sums, grad_norm=grad_norm), seen)
+        return dict(metrics, lr=lr, step=self.state.step)
+
+    # logged as the mean over ranks (each rank's loss terms are normalised by the global weight divided by
+    # the world size, so their rank mean is exactly the global batch's value); the rest are this rank's
     REDUCED = ("loss", "ce", "l1", "conf", "tau_greedy", "tau_prob")
 
-    def _mean_over_ranks(self, metrics: dict) -> dict:
-        """Rank-mean of the logged metrics. Each rank's loss terms are normalised by the global weight
-        divided by the world size, so their mean over ranks is exactly the global batch's value."""
-        keys = [k for k in self.REDUCED if k in metrics]
-        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(t)
-        out = dict(metrics)
-        for k, v in zip(keys, t.tolist()):
-            out[k] = v / self.world_size
-        return out
+    def _read_metrics(self, values: dict, seen: dict) -> dict:
+        """{name: float} of a step's device tensors, in one device-to-host copy (with one all_reduce
+        first under DDP). A rate no micro-batch of this rank measured is left out."""
+        keys = list(values)
+        local = torch.stack([torch.as_tensor(values[k], dtype=torch.float64, device=self.device) for k in keys]
+                            + [torch.as_tensor(seen[k], dtype=torch.float64, device=self.device) for k in seen])
+        rows = local[None]
+        if self.world_size > 1:
+            total = local.clone()
+            torch.distributed.all_reduce(total)
+            rows = torch.stack([local, total / self.world_size])
+        read = rows.tolist()  # the step's one read-back
+        mine, mean = read[0], read[-1]
+        counts = dict(zip(seen, mine[len(keys):]))
+        return {k: (mean if k in self.REDUCED else mine)[i] for i, k in enumerate(keys) if counts.get(k, 1) > 0}

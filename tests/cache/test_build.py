@@ -34,7 +34,7 @@ def _load_model_alone(*a, **k):
         return _load_model(*a, **k)
 
 
-def build_ranks(work: Path, world: int, **cfg) -> list:
+def build_ranks(work: Path, world: int, layers=LAYERS, **cfg) -> list:
     """`world` ranks of one job as threads: a barrier, rank 0's value handed over like torchrun's
     broadcast and every rank's like its all_gather. Returns each rank's report, or the exception it raised."""
     # transformers' lazy imports and from_pretrained (a global init context) are not thread-safe:
@@ -65,9 +65,9 @@ def build_ranks(work: Path, world: int, **cfg) -> list:
     def rank_main(rank):
         RANK.value = rank
         try:
-            results[rank] = build_cache(CacheConfig(url=str(work / "data" / "cache.zarr"), **cfg), LAYERS,
+            results[rank] = build_cache(CacheConfig(url=str(work / "data" / "cache.zarr"), **cfg), layers,
                                         work / "data/regen/train.jsonl", work / "data/target", rank, world,
-                                        barrier.wait, share=lambda v: share(v, rank),
+                                        share=lambda v: share(v, rank),
                                         gather=lambda v: gather(v, rank))
         except BaseException as e:  # noqa: BLE001 - reported to the test
             results[rank] = e

@@ -38,6 +38,24 @@ def manifest(url: str, storage_options=None) -> dict:
 def same_store(derived: str, scratch: str) -> None:
     """Array for array, file for file, and the same manifest apart from provenance."""
     assert store_files(derived) == store_files(scratch)
+    _same_manifest(derived, scratch)
+
+
+def same_store_any_rank(derived: str, scratch: str) -> None:
+    """same_store for a store written by several ranks: a part's commit record names the rank that wrote it."""
+    def files(url):
+        out = store_files(url)
+        for name in [k for k in out if k.startswith("parts/") and k.endswith("/zarr.json")]:
+            meta = json.loads((Path(url) / name).read_text())
+            meta.get("attributes", {}).pop("rank", None)
+            out[name] = meta
+        return out
+
+    assert files(derived) == files(scratch)
+    _same_manifest(derived, scratch)
+
+
+def _same_manifest(derived: str, scratch: str) -> None:
     a, b = manifest(derived), manifest(scratch)
     assert "derived_from" in a and "derived_from" not in b
     a.pop("derived_from")
@@ -352,3 +370,64 @@ def test_cache_stage_sigkilled_mid_derive_then_rerun_equals_an_uninterrupted_der
     assert report["mode"] == "derived" and 0 < report["derive"]["parts_derived"] < total  # the rest was resumed
     assert store_files(str(crash / "data/cache.zarr")) == store_files(str(clean / "data/cache.zarr"))
     assert sorted(p.name for p in (crash / "data").iterdir()) == sorted(p.name for p in (clean / "data").iterdir())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
+def test_a_derive_under_two_ranks_is_shared_by_both_and_takes_no_target_forward(tmp_path, trained_target, dtype,
+                                                                                  monkeypatch):
+    """The recipe launches the cache stage with torchrun: a layer subset (linked) or fp8 (re-encoded) is
+    still derived, every rank deriving its share into rank 0's staging store, and equals a from-scratch
+    build; no rank runs the target."""
+    import deepspec.cache.build as build_mod
+    from tests.cache.test_build import build_ranks, committed
+
+    work = workdir(tmp_path / "a", trained_target, regen_rows(30))
+    url = str(work / "data" / "cache.zarr")
+    build(work, LAYERS, part_tokens=150)
+
+    def no_forward(*a, **k):
+        raise AssertionError("a rank ran the target for a part the source holds")
+
+    monkeypatch.setattr(build_mod, "compute_part", no_forward)
+    reports = build_ranks(work, 2, layers=SUBSET, part_tokens=150, dtype=dtype)
+    assert not any(isinstance(r, BaseException) for r in reports), reports
+    report = reports[0]
+    parts = len(manifest(url)["parts"])
+    assert report["mode"] == "derived" and report["forward_s"] == 0
+    assert (report["derive"]["parts_derived"], report["derive"]["parts_computed"]) == (parts, 0)  # both ranks' counts
+    assert set(committed(url).values()) == {0, 1}
+    monkeypatch.undo()
+    same_store_any_rank(url, scratch(tmp_path, trained_target, SUBSET, regen_rows(30), part_tokens=150, dtype=dtype))
+    assert not any((Path(url).parent / (Path(url).name + s)).exists() for s in (STAGING, OLD))
+
+
+@pytest.mark.slow
+def test_torchrun_cache_stage_derives_a_layer_subset_over_gloo(tmp_path, trained_target):
+    """`dvc exp run -S 'layers=[9,25]'` with the recipe's `torchrun --nproc-per-node 8` launcher, in
+    small: two processes over gloo derive the subset; the report says so and the store equals a
+    from-scratch build."""
+    import yaml
+
+    from deepspec.data.servers import free_port
+
+    def params(work: Path, layers):
+        p = yaml.safe_load((REPO / "params.yaml").read_text())
+        p["layers"] = layers
+        p["cache"].update(part_tokens=150)
+        (work / "params.yaml").write_text(yaml.safe_dump(p))
+
+    env = project_env(REPO, DEEPSPEC_LOG="WARNING")
+    work = workdir(tmp_path / "a", trained_target, regen_rows(30))
+    params(work, LAYERS)
+    subprocess.run([sys.executable, str(REPO / "stages" / "cache.py")], cwd=work, env=env, check=True,
+                   capture_output=True)
+    params(work, SUBSET)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(free_port()), str(REPO / "stages" / "cache.py")]
+    proc = subprocess.run(torchrun, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((work / "data/cache/report.json").read_text())
+    assert report["mode"] == "derived" and report["derive"]["parts_computed"] == 0
+    assert report["derive"]["method"] == ["hardlink"]
+    same_store_any_rank(str(work / "data/cache.zarr"), scratch(tmp_path, trained_target, SUBSET, regen_rows(30),
+                                                               part_tokens=150))

@@ -181,7 +181,7 @@ def test_a_draft_trained_on_zarr_and_on_its_hdf5_conversion_sees_identical_batch
     for name, url in (("zarr", small_cache), ("hdf5", h5_cache)):
         trainer = build_trainer(cfg, LAYERS, str(url), trained_target, tmp_path / name / "out",
                                 tmp_path / name / "state")
-        batches = trainer._batches()
+        batches = trainer.batches()
         streams.append([next(batches) for _ in range(2 * len(trainer.sampler))])  # two epochs
     assert len(streams[0]) == len(streams[1]) > 0
     for a, b in zip(*streams):

@@ -9,7 +9,12 @@ from deepspec.config import RegenConfig, SamplingConfig
 from deepspec.data.generate import RowSampler, batch_ranges, run_local
 from deepspec.data.journal import Journal
 from deepspec.data.regen import regen_fingerprint, reproducibility
+from deepspec.models.target import load_causal_lm
 from tests.conftest import SAMPLE_CONVERSATIONS
+
+
+def loader(model_dir):
+    return lambda device: load_causal_lm(model_dir, device)
 
 
 def rows_of(convs, start=0):
@@ -64,7 +69,7 @@ def generated(trained_target, tmp_path_factory):
     runs = []
     for k in range(2):
         journal = Journal(root / f"j{k}", regen_fingerprint(cfg, sampling, None))
-        ordered, errors = run_local(rows, trained_target, cfg, sampling, journal)
+        ordered, errors = run_local(rows, trained_target, cfg, sampling, journal, loader(trained_target))
         ordered = list(ordered)  # read back from the journal, which closing ends
         journal.close()
         assert errors == []
@@ -89,7 +94,7 @@ def test_a_resumed_run_and_a_grown_input_keep_every_other_rows_answer(generated,
     a, b = batch_ranges([r["id"] for r in rows], cfg.concurrency)[1]
     for row in first[a:a + 1]:
         journal.append(row)
-    resumed, _ = run_local(rows, trained_target, cfg, sampling, journal)
+    resumed, _ = run_local(rows, trained_target, cfg, sampling, journal, loader(trained_target))
     resumed = list(resumed)
     journal.close()
     assert json.dumps(list(resumed)) == json.dumps(list(first))
@@ -97,7 +102,7 @@ def test_a_resumed_run_and_a_grown_input_keep_every_other_rows_answer(generated,
     extra = rows_of(SAMPLE_CONVERSATIONS[40:41], start=1000)
     grown = rows[:10] + extra + rows[10:]
     journal = Journal(tmp_path / "j2", regen_fingerprint(cfg, sampling, None))
-    again, _ = run_local(grown, trained_target, cfg, sampling, journal)
+    again, _ = run_local(grown, trained_target, cfg, sampling, journal, loader(trained_target))
     again = list(again)
     journal.close()
     def batch_of(rs):

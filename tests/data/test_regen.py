@@ -369,6 +369,8 @@ def test_journal_line_corrupt_mid_file_is_an_error_naming_file_and_line(tmp_path
 def test_stage_reports_a_corrupt_journal_without_a_traceback(tmp_path):
     from deepspec.config import load_params
     from deepspec.data.regen import regen_fingerprint
+    from deepspec.devices import local_device
+    from deepspec.models.target import compute_dtype
 
     work = tmp_path / "work"
     write_split(work / "data" / "split" / "train.jsonl")
@@ -376,7 +378,8 @@ def test_stage_reports_a_corrupt_journal_without_a_traceback(tmp_path):
     (work / "data" / "target" / "identity.json").write_text(json.dumps({"id": "t" * 16}))
     (work / "params.yaml").write_text((REPO / "params.yaml").read_text())
     p = load_params(work / "params.yaml")
-    Journal(work / "data" / "regen" / "journal", regen_fingerprint(p.regen, p.sampling, {"id": "t" * 16})).close()
+    compute = {"dtype": compute_dtype(local_device())}  # what the stage keys a local backend's journal by
+    Journal(work / "data" / "regen" / "journal", regen_fingerprint(p.regen, p.sampling, {"id": "t" * 16}, compute)).close()
     (work / "data" / "regen" / "journal" / "rows.jsonl").write_bytes(b'{"id": "1"}\n}{\n')
     proc = subprocess.run([sys.executable, str(REPO / "stages" / "regen.py")], cwd=work, env=project_env(REPO),
                           text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)

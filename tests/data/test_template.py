@@ -237,6 +237,7 @@ def test_the_thinking_switch_reaches_the_template(small_model_dir, tmp_path):
 
     from deepspec.config import RegenConfig, SamplingConfig
     from deepspec.data.generate import LocalGenerator
+    from deepspec.models.target import load_causal_lm
 
     model = shutil.copytree(small_model_dir, tmp_path / "model")
     tok = AutoTokenizer.from_pretrained(model)
@@ -244,5 +245,6 @@ def test_the_thinking_switch_reaches_the_template(small_model_dir, tmp_path):
     tok.save_pretrained(model)
     conv = [{"role": "user", "content": "Name a fruit."}]
     for disable, tail in ((True, "<|im_start|>assistant\n<think>\n\n</think>\n\n"), (False, "<|im_start|>assistant\n")):
-        gen = LocalGenerator(model, RegenConfig(disable_thinking=disable), SamplingConfig())
+        gen = LocalGenerator(model, RegenConfig(disable_thinking=disable), SamplingConfig(),
+                             lambda device: load_causal_lm(model, device))
         assert gen.tokenizer.decode(gen.prompt(conv)).endswith("Name a fruit.<|im_end|>\n" + tail)

@@ -270,12 +270,13 @@ def test_dataloader_with_two_workers_finishes(tmp_path, method):
     seen = []
     for batch in Prefetcher(loader, "cpu"):
         assert batch["input_ids"].dtype == torch.int64
-        assert batch["hidden"].shape[:2] == batch["attention_mask"].shape
+        assert batch["hidden"].shape[:2] == batch["input_ids"].shape
+        assert batch["tokens"] == int(batch["lengths"].sum())
         seen += batch["sample_id"]
     assert sorted(seen) == sorted(int(i) for p in parts for i in p.sample_ids)
 
 
-def test_collate_pads_right_and_builds_the_mask():
+def test_collate_pads_right_and_counts_tokens_on_the_host():
     hid = torch.arange(2 * 3 * 4, dtype=torch.bfloat16).view(2, 3, 4)  # [L=2, T=3, H=4]
     a = {"input_ids": torch.tensor([1, 2, 3], dtype=torch.int32), "loss_mask": torch.tensor([0, 1, 1], dtype=torch.uint8),
          "hidden": hid, "sample_id": 5}
@@ -283,7 +284,8 @@ def test_collate_pads_right_and_builds_the_mask():
          "hidden": torch.full((2, 1, 4), 2.0, dtype=torch.bfloat16), "sample_id": 6}
     batch = collate([a, b])
     assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]] and batch["input_ids"].dtype == torch.int32
-    assert batch["attention_mask"].tolist() == [[True, True, True], [True, False, False]]
+    assert "attention_mask" not in batch  # derivable from lengths; no model reads it
+    assert batch["tokens"] == 4 and isinstance(batch["tokens"], int)  # never read back from the device
     assert batch["hidden"].shape == (2, 3, 8)
     assert torch.equal(batch["hidden"][0, 1], torch.cat([hid[0, 1], hid[1, 1]]))  # token-major, layers side by side
     assert batch["hidden"][1, 1:].abs().sum() == 0 and batch["lengths"].tolist() == [3, 1]

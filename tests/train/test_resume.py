@@ -27,7 +27,7 @@ from tests.train.test_train import FAST, _stage_dir, losses, train
 # settings that change how a run is executed or how far it goes, not the trajectory it follows
 # (`layers` counts through the resolved layer list, passed on its own)
 RESUME_NEUTRAL = {"steps", "checkpoint_every", "keep_checkpoints", "num_workers", "read_ahead", "threads", "launcher",
-                  "layers"}
+                  "layers", "collective_timeout_s"}
 
 
 def _other(name: str, value, tp):

@@ -1,0 +1,95 @@
+"""Where a process's tensors live, and the rules that keep device code right on any device.
+
+- `local_device()`: the accelerator this process owns (`cuda:LOCAL_RANK`, what torchrun sets), else the CPU.
+  Every stage picks its device here, so a GPU node never runs a stage on the CPU by omission.
+- `generator(device, seed)`: a random generator on the device of the tensors it draws for; a CPU
+  generator cannot draw for a CUDA tensor (PyTorch refuses), and a CUDA one cannot for a CPU tensor.
+- `draw(probs, gen)`: one categorical draw per row, on the probabilities' device.
+- `HostCopies`: device-to-host copies of a batch's tensors into pinned buffers, issued on a copy
+  stream so that the compute stream starts the next forward meanwhile; the consumer waits for them
+  (`HostBatch.result()`), usually on another thread. On the CPU a batch is already on the host.
+"""
+from __future__ import annotations
+
+import os
+import torch
+
+
+def local_device() -> torch.device:
+    """`cuda:LOCAL_RANK` when CUDA is available (LOCAL_RANK defaults to 0), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def generator(device: torch.device | str, seed: int) -> torch.Generator:
+    """A generator on `device`, seeded with `seed` (its draws differ from a CPU generator's on another
+    device type: a seed names a stream per device type, as PyTorch defines them)."""
+    return torch.Generator(device=torch.device(device)).manual_seed(int(seed))
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    """One index per row of `probs` ([V] -> [1], [B, V] -> [B, 1]), drawn with `gen` on the
+    probabilities' own device; a generator of another device is refused here on every device
+    (PyTorch refuses it only on CUDA), so a CPU test catches what a GPU run would meet."""
+    if gen is not None and gen.device.type != probs.device.type:
+        raise ValueError(f"a {gen.device.type} generator cannot draw for {probs.device.type} probabilities: "
+                         "make it with deepspec.devices.generator(probs.device, seed)")
+    return torch.multinomial(probs, 1, generator=gen)
+
+
+class HostBatch:
+    """Host copies of one batch's tensors: `result()` waits until they have landed (a no-op on the
+    CPU) and returns the batch with every tensor as a numpy array (a view of its pinned buffer, which
+    it keeps alive)."""
+
+    def __init__(self, tensors: dict, event=None):
+        self._tensors, self._event = tensors, event
+
+    def result(self) -> dict:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return {k: _map(lambda t: t.numpy(), v) for k, v in self._tensors.items()}
+
+
+def _map(fn, value):
+    """`fn` over a tensor, or over each tensor of a tuple; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, tuple):
+        return tuple(_map(fn, v) for v in value)
+    return fn(value)
+
+
+class HostCopies:
+    """Copies tensors computed on `device` to the host without holding up the compute stream.
+
+    On CUDA each `copy` makes the copy stream wait for what the compute stream has queued so far
+    (the tensors' producers), copies every tensor into a freshly pinned buffer with
+    `non_blocking=True` on that stream, tells the caching allocator the stream still reads the
+    device tensors (`record_stream`), and records an event the consumer waits on. PyTorch's pinned
+    allocator caches freed buffers and reuses one only after the copies that used it are done, so
+    buffers cost one allocation per size, not one per batch. On the CPU nothing is copied."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+
+    def copy(self, tensors: dict) -> HostBatch:
+        """`tensors`: {key: a tensor on self.device, a tuple of such tensors (or None), or None}."""
+        if not self.cuda:
+            return HostBatch({k: _map(torch.Tensor.detach, v) for k, v in tensors.items()})
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            out = {k: _map(self._to_pinned, v) for k, v in tensors.items()}
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return HostBatch(out, event)
+
+    def _to_pinned(self, t: torch.Tensor) -> torch.Tensor:
+        buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        buf.copy_(t, non_blocking=True)
+        t.record_stream(self.stream)  # the compute stream may not reuse its memory before the copy ran
+        return buf

@@ -1,0 +1,208 @@
+"""Device discipline, checked on the CPU: the rules that keep the CUDA path right by construction, and
+each GPU-path defect's logic (generators on the data's device, one distributed set-up, the accelerator
+chosen when present, host copies waited for off the compute thread, no process-wide AWS switch)."""
+import ast
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from deepspec.devices import HostCopies, draw, generator, local_device
+from tests.conftest import REPO
+
+# Library and stage code. The embedded default's toy trainer (deepspec/embedded) is the one exception:
+# it builds the shipped CPU target and never meets a user's tensors.
+CODE = [p for p in sorted((REPO / "deepspec").rglob("*.py")) if "embedded" not in p.parts] + \
+    sorted((REPO / "stages").glob("*.py"))
+FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "full", "empty", "arange", "linspace", "eye", "rand", "randn",
+             "randint", "randperm", "Generator"}
+DISTRIBUTED = {"init_process_group", "destroy_process_group", "set_device", "broadcast_object_list",
+               "all_gather_object"}
+
+
+def calls(path: Path):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            yield node
+
+
+def dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Attribute):
+        return f"{dotted(node.value)}.{node.attr}"
+    return node.id if isinstance(node, ast.Name) else "?"
+
+
+def where(path: Path, node: ast.Call) -> str:
+    return f"{path.relative_to(REPO)}:{node.lineno}"
+
+
+def test_every_tensor_factory_and_generator_names_its_device():
+    """A factory or generator without `device=` lands on the CPU whatever the data it meets is on (the
+    eval's CPU generators met CUDA probabilities). Host tensors say so: device="cpu"."""
+    bad = [f"{where(p, c)} {dotted(c.func)}" for p in CODE for c in calls(p)
+           if dotted(c.func) in {f"torch.{f}" for f in FACTORIES} and not any(k.arg == "device" for k in c.keywords)]
+    assert bad == []
+
+
+def test_draws_and_cuda_devices_come_from_deepspec_devices_only():
+    bad = []
+    for p in CODE:
+        if p.name == "devices.py":
+            continue
+        for c in calls(p):
+            name = dotted(c.func)
+            if name.endswith(".cuda") or name == "torch.multinomial":
+                bad.append(f"{where(p, c)} {name}")
+            if name == "torch.device" and c.args and isinstance(c.args[0], ast.Constant) and c.args[0].value == "cuda":
+                bad.append(f"{where(p, c)} torch.device('cuda')")
+    assert bad == []
+
+
+def test_the_distributed_set_up_is_made_in_one_place_and_every_torchrun_stage_uses_it():
+    """The cache stage made its own process group and never called set_device (every rank on GPU 0);
+    the train stage's copy did: one helper now, used by both."""
+    made = sorted({where(p, c).split(":")[0] for p in CODE for c in calls(p) if dotted(c.func).split(".")[-1] in DISTRIBUTED})
+    assert made == ["deepspec/distributed.py"]
+    for stage in ("cache", "train"):
+        tree = ast.parse((REPO / "stages" / f"{stage}.py").read_text())
+        assert any(isinstance(n, ast.ImportFrom) and n.module == "deepspec.distributed" and
+                   [a.name for a in n.names] == ["launch"] for n in ast.walk(tree)), stage
+    for stage in ("eval", "regen"):  # one process each: the process's accelerator
+        assert "local_device()" in (REPO / "stages" / f"{stage}.py").read_text(), stage
+
+
+def test_local_device_is_the_local_ranks_gpu_when_cuda_is_present(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert local_device() == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert local_device() == torch.device("cuda", 3)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert local_device() == torch.device("cuda", 0)
+
+
+def test_launch_makes_the_local_gpu_current_before_any_collective(monkeypatch):
+    import deepspec.distributed as distributed
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    current = []
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    with distributed.launch(60) as d:
+        assert current == [torch.device("cuda", 1)] and d.device == torch.device("cuda", 1)
+        assert (d.rank, d.world, d.share(5), d.gather(5)) == (0, 1, 5, [5])
+
+
+def test_a_generator_draws_on_the_probabilities_device_and_a_foreign_one_is_refused():
+    probs = torch.tensor([[0.1, 0.9], [0.8, 0.2]], device="cpu")
+    got = draw(probs, generator(probs.device, 4))
+    assert got.device == probs.device and torch.equal(got, torch.multinomial(probs, 1, generator=generator("cpu", 4)))
+
+    class Foreign:  # what a CUDA generator looks like to a CPU tensor (no second device type here)
+        device = torch.device("cuda", 0)
+
+    with pytest.raises(ValueError, match="cuda generator cannot draw for cpu probabilities"):
+        draw(probs, Foreign())
+
+
+def test_speculative_and_plain_decoding_draw_with_generators_on_the_decoders_device(monkeypatch, trained_target):
+    from transformers import AutoModelForCausalLM
+
+    import deepspec.evaluate.specdec as specdec
+    from tests.evaluate.test_specdec import random_draft
+
+    target = AutoModelForCausalLM.from_pretrained(trained_target)
+    dec = specdec.SpecDecoder(target, random_draft(target, [0, 2]), set(), device="cpu")
+    made = []
+    real = specdec.generator
+    monkeypatch.setattr(specdec, "generator", lambda device, seed: made.append(torch.device(device)) or real(device, seed))
+    warp = specdec.Warp(temperature=0.8)
+    dec.plain([1, 2, 3], 4, warp, seed=1)
+    dec.speculative([1, 2, 3], 4, warp, seed=1)
+    assert made == [dec.device, dec.device]
+
+
+def test_regen_row_sampler_makes_its_generators_on_the_scores_device(monkeypatch):
+    import deepspec.data.generate as generate
+    from deepspec.config import SamplingConfig
+
+    made = []
+    real = generate.generator
+    monkeypatch.setattr(generate, "generator", lambda device, seed: made.append((torch.device(device), seed))
+                        or real(device, seed))
+    sampler = generate.RowSampler(SamplingConfig(temperature=0.7), [11, 12])
+    scores = torch.randn(2, 50, device="cpu")
+    sampler(None, scores)
+    sampler(None, scores)  # made once, then advanced
+    assert made == [(scores.device, 11), (scores.device, 12)]
+
+
+def test_regen_local_backend_runs_the_target_on_the_accelerator_when_one_is_present(monkeypatch, trained_target):
+    """`regen.backend: local` loaded the target in float32 on the CPU on a GPU node too."""
+    from deepspec.config import RegenConfig, SamplingConfig
+    from deepspec.data.generate import LocalGenerator
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    asked = []
+
+    class Loaded(Exception):
+        pass
+
+    def load(device):
+        asked.append(device)
+        raise Loaded  # no GPU here to load it onto
+
+    with pytest.raises(Loaded):
+        LocalGenerator(trained_target, RegenConfig(), SamplingConfig(), load)
+    assert asked == [torch.device("cuda", 0)]
+
+
+def test_the_regen_journal_is_keyed_by_how_the_local_backend_computes():
+    from deepspec.config import RegenConfig, SamplingConfig
+    from deepspec.data.regen import regen_fingerprint
+
+    cfg, s = RegenConfig(backend="local"), SamplingConfig()
+    cpu = regen_fingerprint(cfg, s, None, {"dtype": "float32"})
+    gpu = regen_fingerprint(cfg, s, None, {"dtype": "bfloat16"})
+    assert cpu != gpu  # a journal from the CPU is not resumed into a GPU run (other floats, other answers)
+
+
+def test_host_copies_are_waited_for_on_the_writer_thread_not_the_computing_one():
+    """The cache stage hands the writer each batch as soon as its copies are issued; the writer's
+    thread waits for them (on CUDA: an event on the copy stream), so the next forward starts at once."""
+    from deepspec.cache.part_data import PartFeed
+
+    x = torch.arange(12, dtype=torch.float32, device="cpu").view(3, 4)
+    batch = HostCopies("cpu").copy({0: (x.to(torch.bfloat16).view(torch.uint16), None)})
+    waited_on = []
+
+    class Watched:
+        def result(self):
+            waited_on.append(threading.get_ident())
+            return batch.result()
+
+    feed = PartFeed(lambda: None, [0])
+    got = []
+    reader = threading.Thread(target=lambda: got.extend(feed.arrays()))
+    reader.start()
+    feed.put(Watched())
+    feed.close()
+    reader.join(10)
+    assert waited_on == [reader.ident] and waited_on[0] != threading.get_ident()
+    assert np.array_equal(got[0]["hidden/0"], x.to(torch.bfloat16).view(torch.uint16).numpy())
+
+
+def test_s3_options_leave_the_processes_aws_settings_alone(monkeypatch):
+    """Setting AWS_EC2_METADATA_DISABLED for the whole process switched off the instance-profile
+    credentials a GPU node on EC2 uses."""
+    from deepspec.cache.store import storage_options_for
+
+    monkeypatch.delenv("AWS_EC2_METADATA_DISABLED", raising=False)
+    before = dict(os.environ)
+    storage_options_for("s3://bucket/lake", {})
+    assert dict(os.environ) == before
