@@ -23,7 +23,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup repro test test-fast lock clean-venv embedded-target
+.PHONY: setup repro test test-fast lock clean-venv embedded-target gpu-wheels gpu-check
 
 setup: $(STAMP) $(PLOTS_TEMPLATE)
 
@@ -78,3 +78,34 @@ lock:
 
 clean-venv:
 	rm -rf $(VENV)
+
+# The prepared GPU check (benchmarks/gpu_check.py): cache, train and eval on CUDA in one command. A lent
+# GPU machine has Python 3.12 with torch, transformers, safetensors, numpy, h5py and fsspec, but no
+# network: `make gpu-wheels` downloads here, into the git-ignored .gpu-wheels/, the wheels of what else
+# the check imports (versions as in requirements.lock), and `make gpu-check` installs them there with
+# --no-index before it runs. `make gpu-check CPU=1` runs the same script on the CPU in .venv (make test
+# runs it). OUT=DIR writes gpu_check.json there. To try the install step on a machine without a GPU:
+# `make gpu-wheels GPU_PY=3.11 && make gpu-check PYTHON=<a python with only the GPU machine's packages>
+# GPU_CHECK_ARGS=--cpu`.
+GPU_WHEELS := .gpu-wheels
+GPU_SITE := .gpu-site
+GPU_PY ?= 3.12
+GPU_PACKAGES := $(shell grep -iE '^(accelerate|psutil|zarr|numcodecs|crc32c|google-crc32c|donfig|pydantic|pydantic_core|annotated-types|typing-inspection)==' requirements.lock)
+GPU_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64,--platform $(p))
+
+gpu-wheels:
+	rm -rf $(GPU_WHEELS)
+	$(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+	  --python-version $(GPU_PY) --implementation cp $(GPU_PLATFORMS) -d $(GPU_WHEELS) $(GPU_PACKAGES)
+	@du -sh $(GPU_WHEELS)
+
+ifeq ($(CPU),1)
+gpu-check: setup
+	$(PY) benchmarks/gpu_check.py --cpu $(if $(OUT),--out $(OUT))
+else
+gpu-check:
+	@test -d $(GPU_WHEELS) || { echo "make gpu-check: no $(GPU_WHEELS)/ (run 'make gpu-wheels' where there is network)"; exit 2; }
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-index --no-deps --no-compile --upgrade \
+	  --target $(GPU_SITE) $(GPU_WHEELS)/*.whl
+	PYTHONPATH=$(CURDIR)/$(GPU_SITE) $(PYTHON) benchmarks/gpu_check.py --out $(or $(OUT),gpu-check-out) $(GPU_CHECK_ARGS)
+endif
