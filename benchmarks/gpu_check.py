@@ -140,7 +140,7 @@ def peak_gib(device: torch.device) -> float | None:
 
 def check_cache(work: Path, target: Path, layers: list[int], rows: list[dict], size: dict, device: torch.device) -> dict:
     """build_cache on the device; stored states vs output_hidden_states; capture vs plain forward."""
-    from deepspec.cache.build import build_cache, forward_batches, length_batches, load_target
+    from deepspec.cache.build import build_cache, forward_batches, length_batches, load_target, padded
     from deepspec.cache.reader import CacheReader
     from deepspec.cache.format import decode_hidden
     from deepspec.cache.regen_rows import EncodeRules, encode_rows
@@ -168,17 +168,12 @@ def check_cache(work: Path, target: Path, layers: list[int], rows: list[dict], s
             batch.result()  # the host copies landed
 
     @torch.no_grad()
-    def plain():
+    def plain():  # the same batches, padded and copied the same way, with no hooks, encoding or copies back
         base = model.get_decoder()
         for batch in length_batches(samples, size["batch_tokens"]):
-            longest = max(len(samples[i].input_ids) for i in batch)
-            ids = torch.full((len(batch), longest), pad, dtype=torch.long, device=device)
-            mask = torch.zeros((len(batch), longest), dtype=torch.long, device=device)
-            for row, i in enumerate(batch):
-                n = len(samples[i].input_ids)
-                ids[row, :n] = torch.tensor(samples[i].input_ids, device=device)
-                mask[row, :n] = 1
-            base(input_ids=ids, attention_mask=mask, use_cache=False)
+            ids, mask, _ = padded(samples, batch, pad, pin=device.type == "cuda")
+            base(input_ids=ids.to(device, non_blocking=True), attention_mask=mask.to(device, non_blocking=True),
+                 use_cache=False)
 
     times = {}
     peak_reset(device)
@@ -198,16 +193,10 @@ def check_cache(work: Path, target: Path, layers: list[int], rows: list[dict], s
     worst, checked = 0.0, 0
     with torch.no_grad():
         for batch in length_batches(samples, size["batch_tokens"])[:2]:
-            longest = max(len(samples[i].input_ids) for i in batch)
-            ids = torch.full((len(batch), longest), pad, dtype=torch.long, device=device)
-            mask = torch.zeros((len(batch), longest), dtype=torch.long, device=device)
-            for row, i in enumerate(batch):
-                n = len(samples[i].input_ids)
-                ids[row, :n] = torch.tensor(samples[i].input_ids, device=device)
-                mask[row, :n] = 1
-            hs = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+            ids, mask, lengths = padded(samples, batch, pad)
+            hs = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True).hidden_states
             for row, i in enumerate(batch[:8]):
-                n, stored = len(samples[i].input_ids), reader.read(by_id[samples[i].sample_id])
+                n, stored = lengths[row], reader.read(by_id[samples[i].sample_id])
                 for key, want in [*((layer, hs[layer + 1]) for layer in layers), ("last", hs[-1])]:
                     got = decode_hidden(*stored[key], reader.dtype)
                     ref = want[row, :n].float().cpu()

@@ -66,6 +66,19 @@ def length_batches(samples: list[Sample], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
+def padded(samples: list[Sample], batch: list[int], pad_id: int, pin: bool = False):
+    """(input ids, attention mask, lengths) of `batch` (indices into `samples`), right-padded on the
+    host (pinned for an asynchronous copy to a GPU): a sample's rows are its first n positions."""
+    lengths = [len(samples[i].input_ids) for i in batch]
+    longest = max(lengths)
+    ids = torch.full((len(batch), longest), pad_id, dtype=torch.long, device="cpu", pin_memory=pin)
+    mask = torch.zeros((len(batch), longest), dtype=torch.long, device="cpu", pin_memory=pin)
+    for row, (i, n) in enumerate(zip(batch, lengths)):
+        ids[row, :n] = torch.as_tensor(samples[i].input_ids, device="cpu")
+        mask[row, :n] = 1
+    return ids, mask, lengths
+
+
 def forward_batches(model, samples: list[Sample], layers: list[int], batch_tokens: int, pad_id: int,
                     device: torch.device, dtype: str = "bfloat16"):
     """Forward passes over `samples` in order; yields each batch's hidden states as a devices.HostBatch
@@ -73,16 +86,8 @@ def forward_batches(model, samples: list[Sample], layers: list[int], batch_token
     already encoded, so the writer thread only waits for the copy, checksums and writes. On a GPU the
     copies to pinned host buffers run on a copy stream while the next batch's forward computes."""
     copies = HostCopies(device)
-    pin = device.type == "cuda"
     for batch in length_batches(samples, batch_tokens):
-        lengths = [len(samples[i].input_ids) for i in batch]
-        longest = max(lengths)
-        # right padding: a sample's rows are its first n positions
-        ids = torch.full((len(batch), longest), pad_id, dtype=torch.long, device="cpu", pin_memory=pin)
-        mask = torch.zeros((len(batch), longest), dtype=torch.long, device="cpu", pin_memory=pin)
-        for row, (i, n) in enumerate(zip(batch, lengths)):
-            ids[row, :n] = torch.as_tensor(samples[i].input_ids, device="cpu")
-            mask[row, :n] = 1
+        ids, mask, lengths = padded(samples, batch, pad_id, pin=device.type == "cuda")
         captured, last = forward_capture(model, ids.to(device, non_blocking=True),
                                          mask.to(device, non_blocking=True), layers)
         rows = [*((k, captured[k]) for k in layers), ("last", last)]

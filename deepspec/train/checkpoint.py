@@ -17,11 +17,14 @@ params has saved a checkpoint of its own.
 """
 from __future__ import annotations
 
+import base64
 import json
 import logging
+import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -218,3 +221,40 @@ def set_aside_stale(root: Path, fingerprint: str) -> None:
                 path.rename(root / path.name)
                 log.info("checkpoint %s of these params is back from %s", path.name, mine)
         shutil.rmtree(mine, ignore_errors=True)
+
+
+# ---- RNG states (meta.json holds each rank's) ------------------------------------------------------
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def rng_state(device: torch.device | None = None) -> dict:
+    """Every global RNG state (torch CPU, Python, NumPy, this rank's CUDA device), JSON-able."""
+    version, internal, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": _b64(torch.get_rng_state()), "python": [version, list(internal), gauss],
+             "numpy": {"keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                       "cached_gaussian": float(cached)}}
+    if device is not None and device.type == "cuda":
+        state["cuda"] = _b64(torch.cuda.get_rng_state(device))
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device | None = None) -> None:
+    torch.set_rng_state(_unb64(state["torch"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    npy = state["numpy"]
+    np.random.set_state(("MT19937", np.array(npy["keys"], dtype=np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
+    on_cuda = device is not None and device.type == "cuda"
+    if on_cuda and "cuda" in state:
+        torch.cuda.set_rng_state(_unb64(state["cuda"]), device)
+    elif on_cuda or "cuda" in state:
+        log.warning("checkpoint saved %s CUDA, resumed %s: the CUDA RNG state is not restored",
+                    "with" if "cuda" in state else "without", "with" if on_cuda else "without")

@@ -12,15 +12,12 @@ stop.
 """
 from __future__ import annotations
 
-import base64
 import logging
-import random
 from contextlib import nullcontext
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
@@ -30,8 +27,9 @@ from deepspec.loader.collate import collate
 from deepspec.loader.prefetch import Prefetcher
 from deepspec.loader.sampler import ResumableBatchSampler
 from deepspec.train.checkpoint import (CheckpointError, check_model_state, check_optimizer_state, checkpoint_step,
-                                       load_optimizer_tensors, optimizer_tensors, read_checkpoint, save_checkpoint,
-                                       set_aside_stale, steps_beyond, valid_checkpoints)
+                                       load_optimizer_tensors, optimizer_tensors, read_checkpoint, rng_state,
+                                       save_checkpoint, set_aside_stale, set_rng_state, steps_beyond,
+                                       valid_checkpoints)
 from deepspec.models.objectives import anchor_generator, anchor_key, sample_anchors
 from deepspec.train.schedule import lr_factor
 
@@ -49,41 +47,6 @@ class TrainState:
     epoch: int = 0
     position: int = 0    # batches of `epoch` this rank has consumed
     tokens: int = 0      # tokens seen by this rank
-
-
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.numpy().tobytes()).decode()
-
-
-def _unb64(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-
-def _rng_state(device: torch.device | None = None) -> dict:
-    """Every global RNG state (torch CPU, Python, NumPy, this rank's CUDA device), JSON-able."""
-    version, internal, gauss = random.getstate()
-    _, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"torch": _b64(torch.get_rng_state()), "python": [version, list(internal), gauss],
-             "numpy": {"keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
-                       "cached_gaussian": float(cached)}}
-    if device is not None and device.type == "cuda":
-        state["cuda"] = _b64(torch.cuda.get_rng_state(device))
-    return state
-
-
-def _set_rng_state(state: dict, device: torch.device | None = None) -> None:
-    torch.set_rng_state(_unb64(state["torch"]))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    npy = state["numpy"]
-    np.random.set_state(("MT19937", np.array(npy["keys"], dtype=np.uint32), npy["pos"], npy["has_gauss"],
-                         npy["cached_gaussian"]))
-    on_cuda = device is not None and device.type == "cuda"
-    if on_cuda and "cuda" in state:
-        torch.cuda.set_rng_state(_unb64(state["cuda"]), device)
-    elif on_cuda or "cuda" in state:
-        log.warning("checkpoint saved %s CUDA, resumed %s: the CUDA RNG state is not restored",
-                    "with" if "cuda" in state else "without", "with" if on_cuda else "without")
 
 
 class Trainer:
@@ -147,7 +110,7 @@ class Trainer:
         rank_state = meta["ranks"][str(self.rank)]
         self.state = TrainState(step=meta["step"], epoch=rank_state["epoch"], position=rank_state["position"],
                                 tokens=rank_state["tokens"])
-        _set_rng_state(rank_state["rng"], self.device)
+        set_rng_state(rank_state["rng"], self.device)
         self.last_metrics = meta.get("metrics", {})
         self._log_horizon_change(meta["scheduler"]["steps"])
         log.info("resumed from %s (step %d, epoch %d, batch %d)", path, self.state.step, self.state.epoch,
@@ -252,7 +215,7 @@ class Trainer:
 
     def save(self) -> Path | None:
         ranks = self._gather({"epoch": self.state.epoch, "position": self.state.position,
-                              "tokens": self.state.tokens, "rng": _rng_state(self.device),
+                              "tokens": self.state.tokens, "rng": rng_state(self.device),
                               "sampler": self.sampler.state_dict(self.state.epoch, self.state.position)})
         if self.rank != 0:
             return None

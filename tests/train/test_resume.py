@@ -204,29 +204,29 @@ def test_torchrun_with_fewer_batches_than_ranks_stops_with_an_error(tmp_path, sm
 # ---- what a checkpoint restores, and on which ranks ------------------------------------------------
 
 def test_rng_states_survive_a_checkpoint_round_trip():
-    from deepspec.train.trainer import _rng_state, _set_rng_state
+    from deepspec.train.checkpoint import rng_state, set_rng_state
 
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     random.gauss(0, 1), np.random.standard_normal()  # leave a cached Gaussian in both
     draws = lambda: (random.random(), random.gauss(0, 1), np.random.random(3).tolist(),  # noqa: E731
                      np.random.standard_normal(), torch.rand(3).tolist())
-    state = json.loads(json.dumps(_rng_state()))  # through meta.json
+    state = json.loads(json.dumps(rng_state()))  # through meta.json
     expected = draws()
     random.random(), np.random.random(5), np.random.standard_normal(), torch.rand(7)
-    _set_rng_state(state)
+    set_rng_state(state)
     assert draws() == expected
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_rng_state_survives_a_checkpoint_round_trip():
-    from deepspec.train.trainer import _rng_state, _set_rng_state
+    from deepspec.train.checkpoint import rng_state, set_rng_state
 
     device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.manual_seed(4)
-    state = json.loads(json.dumps(_rng_state(device)))
+    state = json.loads(json.dumps(rng_state(device)))
     expected = torch.rand(5, device=device).tolist()
     torch.rand(9, device=device)
-    _set_rng_state(state, device)
+    set_rng_state(state, device)
     assert torch.rand(5, device=device).tolist() == expected
 
 
