@@ -32,7 +32,7 @@ from deepspec.cache.writer import CacheWriter
 from deepspec.config import CacheConfig
 from deepspec.devices import HostCopies
 from deepspec.models.capture import forward_capture
-from deepspec.models.target import check_layers, compute_settings, load_causal_lm, load_identity
+from deepspec.models.target import check_layers, compute_fingerprint, compute_settings, load_causal_lm, load_identity
 from deepspec.progress import progress
 
 log = logging.getLogger(__name__)
@@ -110,11 +110,14 @@ def part_header(name: str, samples: list[Sample]) -> PartData:
 
 
 def compute_part(model, name: str, samples: list[Sample], layers: list[int], batch_tokens: int,
-                 pad_id: int, device: torch.device, dtype: str = "bfloat16", writer=None) -> PartData:
+                 pad_id: int, device: torch.device, dtype: str = "bfloat16", writer=None,
+                 computed_by: str | None = None) -> PartData:
     """Forward passes for one part, samples in the given (store) order. With a `writer` the part is
     streamed (CacheWriter.submit of its `batches`): each batch goes to the part's shards as it is
-    computed, and the returned PartData has no hidden states; without one they are collected into it."""
+    computed, and the returned PartData has no hidden states; without one they are collected into it.
+    `computed_by` (models.target.compute_fingerprint) goes into the part's commit record."""
     part = part_header(name, samples)
+    part.computed_by = computed_by
     batches = forward_batches(model, samples, layers, batch_tokens, pad_id, device, dtype)
     if writer is None:
         got = [b.result() for b in batches]
@@ -127,8 +130,20 @@ def compute_part(model, name: str, samples: list[Sample], layers: list[int], bat
     return part
 
 
+def compute_of(cfg: CacheConfig, target_dir: Path, device: torch.device) -> dict:
+    """Every setting a part's bits depend on beyond its samples and the store's other content fields,
+    so that a change of any of them names another store (docs/cache-format.md §7): the target's dtype
+    and attention kernel; the forward batching (`cache.batch_tokens`: which samples share a padded
+    batch changes the last bits of their states); on a CPU the thread count (how a matmul's work is
+    split). The software and hardware are recorded per part instead (compute_fingerprint)."""
+    compute = dict(compute_settings(target_dir, device), batch_tokens=cfg.batch_tokens)
+    if device.type == "cpu":
+        compute["threads"] = torch.get_num_threads()
+    return compute
+
+
 def cache_manifest(cfg: CacheConfig, layers: list[int], ident: dict, compute: dict | None = None) -> dict:
-    """`compute`: models.target.compute_settings (dtype and attention kernel the states come from)."""
+    """`compute`: compute_of (dtype, attention kernel, batching the states come from)."""
     return {
         "target": ident,
         **({"compute": compute} if compute else {}),
@@ -191,7 +206,7 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    compute = compute_settings(target_dir, device)
+    compute = compute_of(cfg, target_dir, device)
     manifest = cache_manifest(cfg, layers, ident, compute)
     url = store_url(cfg.url, manifest)
     remote = is_remote(cfg.url)
@@ -262,12 +277,24 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
     index = merge_shares(regen_path, shares)  # every rank raises the same error for an unreadable row
     plan = plan_store(index, part_tokens_for(cfg, ident["hidden_size"]))
     # the parts the store has, and those of the rest the source holds (derived, not computed)
-    have = writer.committed_parts() if rank == 0 else None
+    records = writer.committed_parts() if rank == 0 else {}
+    have = set(records)
     derivable = {name for name, _ in plan if name not in have and name in source.by_name} \
         if rank == 0 and source is not None else set()
     if world > 1:
-        # also the barrier: every rank plans from rank 0's snapshot of both, before any rank commits a part
+        # also the barrier: every rank plans from rank 0's snapshot of both (names, not records), before
+        # any rank commits a part
         have, derivable = share((have, derivable))
+    fingerprint = compute_fingerprint(device)
+    # what computed each part the new manifest lists: kept parts keep the fingerprint they were computed under
+    written_by = collections.Counter(str(records[name].get("computed_by", "unrecorded"))
+                                     for name, _ in plan if name in records)
+    other = sum(n for fp, n in written_by.items() if fp != fingerprint)
+    if other:
+        log.warning("cache: %d of the parts kept were computed under another software or hardware fingerprint "
+                    "(%s); this run computes under %s. Each part's states are those a from-scratch build gives "
+                    "under the fingerprint its commit record names (docs/cache-format.md §7)", other,
+                    "; ".join(fp for fp in written_by if fp != fingerprint), fingerprint)
     todo = [(name, rows) for name, rows in plan if name not in have]
     cached = int(sum(len(rows) for name, rows in plan if name in have))
     if not len(index.lengths):
@@ -285,7 +312,7 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
              "(%d on this rank)", index.rows, len(index.lengths), len(plan), len(plan) - len(todo), cached,
              len(todo), len(mine))
 
-    forward_s, computed, derived = 0.0, 0, 0
+    forward_s, computed, derived, mine_by = 0.0, 0, 0, collections.Counter()
     bar = progress(total=int(sum(index.lengths[rows].sum() for _, rows in mine)), unit="tok", desc=f"cache[{rank}]",
                dynamic_ncols=True, disable=rank != 0 and world > 1)
     try:
@@ -295,12 +322,13 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
                 model = get_model()
                 tf = time.time()
                 part = compute_part(model, name, samples, layers, cfg.batch_tokens, pad_id, device, cfg.dtype,
-                                    writer=writer)  # streamed: its batches are written as they come
+                                    writer=writer, computed_by=fingerprint)  # streamed: written as they come
                 forward_s += time.time() - tf
                 computed += 1
             else:
                 writer.submit(part)
                 derived += 1
+            mine_by[part.computed_by or "unrecorded"] += 1
             del samples  # the next part's samples are tokenised before this name is rebound
             bar.update(part.tokens)
         writer.close(consolidate=False)  # rank 0 consolidates once, below, after every rank
@@ -309,14 +337,18 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
         raise
     finally:
         bar.close()
-    counts = gather((computed, derived, forward_s)) if world > 1 else [(computed, derived, forward_s)]  # also the barrier
+    counts = [(computed, derived, forward_s, mine_by)]
+    counts = gather(counts[0]) if world > 1 else counts  # also the barrier
     computed, derived = sum(c[0] for c in counts), sum(c[1] for c in counts)
     forward_s = max(c[2] for c in counts)
+    for c in counts:
+        written_by.update(c[3])
     report = {"rows": index.rows, "samples": len(index.lengths), "dropped": index.dropped,
               "dropped_by_reason": dict(sorted(collections.Counter(d["reason"] for d in index.dropped).items())),
               "adjusted": index.adjusted, "rows_indexed_by_rank": [sh.index.rows for sh in shares],
               "parts": len(plan), "parts_kept": len(plan) - len(todo), "samples_kept": cached,
-              "forward_s": round(forward_s, 2), "parts_computed": computed, "parts_derived": derived}
+              "forward_s": round(forward_s, 2), "parts_computed": computed, "parts_derived": derived,
+              "computed_by": dict(sorted(written_by.items()))}
     if rank == 0:
         # the planned parts, in plan order (other ranks' parts too); the parts of an earlier input
         # leave the listing (and, locally, the store)

@@ -35,6 +35,9 @@ class PartData:
     # or, handed to submit(): an iterable of such batches ({layer: (bits, scale)}), which submit()
     # streams through a feed in the calling thread
     batches: object = None
+    # the software and hardware its states were computed under (models.target.compute_fingerprint), for
+    # its commit record; a derived part carries its source part's
+    computed_by: str | None = None
 
     @property
     def tokens(self) -> int:

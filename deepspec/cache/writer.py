@@ -320,6 +320,8 @@ class CacheWriter:
         attrs = {"committed": True, "samples": int(len(lengths)), "tokens": part.tokens, "rank": self.rank,
                  "lengths": [int(v) for v in lengths], "sample_ids": [f"{int(v):016x}" for v in ids],
                  "keys": [key_to_str(k) for k in keys]}
+        if part.computed_by:
+            attrs["computed_by"] = part.computed_by
         # arrays a derive links from its source (part.copy) are not written again
         specs = [spec for spec in self.part_specs(part) if spec.name not in part.copied]
         before = None if part.copy is None else (lambda group: part.copy(self, group))

@@ -116,6 +116,25 @@ def compute_settings(model_dir: str | Path, device) -> dict:
     return {"dtype": compute_dtype(device), "attention": attention_implementation(model_dir)}
 
 
+def compute_fingerprint(device) -> str:
+    """The software and hardware a state is computed with, beyond the settings a store is named by:
+    library versions and the device's model change the last bits of a forward pass (other kernels),
+    so a cache part records the fingerprint it was computed under (docs/cache-format.md §7)."""
+    import platform
+
+    import torch
+    import transformers
+
+    device = torch.device(device)
+    parts = [f"torch={torch.__version__}", f"transformers={transformers.__version__}"]
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        parts += [f"cuda={torch.version.cuda}", f"device={props.name} sm_{props.major}{props.minor}"]
+    else:
+        parts += [f"device={device.type} {platform.machine()}"]
+    return " ".join(parts)
+
+
 def load_causal_lm(model_dir: str | Path, device, compute: dict | None = None):
     """The target as every stage runs it (`compute_settings`), in eval mode on `device`."""
     import torch

@@ -36,13 +36,14 @@ def test_store_key_is_readable_and_changes_with_every_content_field():
         "max_length": manifest(max_length=4096),
         "chunk_tokens": manifest(chunk_tokens=32),
         # how the target ran: a bf16 GPU build and an fp32 CPU build are different stores
-        "compute": dict(base, compute={"dtype": "bfloat16", "attention": "sdpa"}),
+        "compute": dict(base, compute={"dtype": "bfloat16", "attention": "sdpa", "batch_tokens": 8192}),
     }
     assert sorted(variants) == sorted(CONTENT_KEYS)  # the rule covers exactly what a writer compares
     for field, other in variants.items():
         assert manifest_mismatch(base, other) is not None, field
         assert store_key(other) != store_key(base), field
-    # what does not change the content does not change the store
+    # what does not change the content does not change the store (batch_tokens changes it through
+    # `compute`, which the cache stage fills in: build.compute_of, tests/cache/test_exactness.py)
     same = dict(manifest(part_tokens=1, batch_tokens=64, storage_options={"endpoint_url": "x"}),
                 target=dict(IDENT, id="renamed"), parts=[{"name": "p000000"}], num_samples=3)
     assert manifest_mismatch(base, same) is None
