@@ -9,7 +9,6 @@ backend. The manifest travels as a typed `Manifest` (manifest.py).
 """
 from __future__ import annotations
 
-import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -18,9 +17,6 @@ import numpy as np
 
 from deepspec.cache.format import FORMAT, INDEX_COLUMNS, INDEX_COLUMNS_V2, CacheFormatError, key_from_str
 from deepspec.cache.manifest import Manifest, PartEntry
-
-# v1/v2: p + a 6-digit sequence number; v3: p + 24 hex digits naming the part's content (format.part_name)
-PART_NAME = re.compile(r"p(\d{6}|[0-9a-f]{24})")
 
 
 @dataclass
@@ -180,6 +176,10 @@ class CacheStore(ABC):
 
     @abstractmethod
     def array_rows(self, part: PartEntry, array: str) -> int: ...
+
+    @abstractmethod
+    def declared(self, part: PartEntry, array: str) -> tuple[np.dtype, tuple]:
+        """The dtype and shape a part's array declares in the store (the reader checks them against the manifest)."""
 
 
 class WritableStore(CacheStore):

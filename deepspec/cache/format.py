@@ -18,6 +18,8 @@ HDF5: every array is a chunked dataset with a Fletcher-32 per chunk (docs/cache-
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import torch
 
@@ -43,6 +45,14 @@ class CacheFormatError(ValueError):
     pass
 
 
+# Names a store supplies (manifest, listings, commit records) that become paths: only these shapes are
+# accepted, so no name or key can reach outside the store (no `..`, no absolute path, no separator
+# where none belongs). v1/v2 parts: p + a 6-digit sequence number; v3: p + 24 hex digits (part_name).
+PART_NAME = re.compile(r"p(\d{6}|[0-9a-f]{24})")
+# the consolidated index: v2 `index/c/0/0` (Zarr) or `index.h5`; v3 `index/<16 hex>/c/0/0` or `index/<16 hex>.h5`
+INDEX_KEY = re.compile(r"index(/c/0/0|\.h5|/[0-9a-f]{16}/c/0/0|/[0-9a-f]{16}\.h5)")
+
+
 def hidden_name(layer: int | str) -> str:
     return "last_hidden" if layer == "last" else f"hidden/{layer}"
 
@@ -63,6 +73,26 @@ def part_arrays(layers: list, dtype: str, version: int = FORMAT_VERSION) -> list
 
 def storage_dtype(dtype: str) -> np.dtype:
     return np.dtype(np.uint16 if dtype == "bfloat16" else np.uint8)
+
+
+def array_shape(name: str, samples: int, tokens: int, hidden_size: int, dtype: str) -> tuple[np.dtype, tuple]:
+    """The dtype and shape array `name` of a part of `samples` samples and `tokens` tokens must have,
+    by the manifest: what a reader checks a part's own declaration against before sizing anything by it."""
+    if name == "offsets":
+        return np.dtype(np.int64), (samples + 1,)
+    if name == "sample_id":
+        return np.dtype(np.uint64), (samples,)
+    if name == "sample_key":
+        return np.dtype(np.uint64), (samples, 2)
+    if name == "input_ids":
+        return np.dtype(np.int32), (tokens,)
+    if name == "loss_mask":
+        return np.dtype(np.uint8), (tokens,)
+    if name.startswith("scale/"):
+        return np.dtype(np.float32), (tokens,)
+    if name == "last_hidden" or name.startswith("hidden/"):
+        return storage_dtype(dtype), (tokens, hidden_size)
+    raise CacheFormatError(f"{name}: not an array of a part")
 
 
 def bytes_per_token(hidden_size: int, num_layers: int, dtype: str) -> int:

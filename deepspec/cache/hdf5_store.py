@@ -19,8 +19,8 @@ import os
 import numpy as np
 from crc32c import crc32c
 
-from deepspec.cache.backend import PART_NAME, ArrayLayout, CacheStore
-from deepspec.cache.format import CacheFormatError
+from deepspec.cache.backend import ArrayLayout, CacheStore
+from deepspec.cache.format import PART_NAME, CacheFormatError
 from deepspec.cache.hdf5_h5py import INDEX_DATASET, no_cyclic_gc, register_plugins
 from deepspec.cache.manifest import PartEntry
 from deepspec.cache.store import local_path, storage_options_for
@@ -188,3 +188,9 @@ class HDF5Store(CacheStore):
 
     def array_rows(self, part: PartEntry, array: str) -> int:
         return int(self.chunk_table(part)[array]["shape"][0])
+
+    def declared(self, part: PartEntry, array: str) -> tuple[np.dtype, tuple]:
+        table = self.chunk_table(part)
+        if array not in table:
+            raise CacheFormatError(f"{self.url}: array {array} is missing from parts/{part.name}{SUFFIX}")
+        return np.dtype(table[array]["dtype"]), tuple(table[array]["shape"])

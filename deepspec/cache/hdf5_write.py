@@ -12,8 +12,8 @@ import uuid
 import numpy as np
 from crc32c import crc32c
 
-from deepspec.cache.backend import PART_NAME, ArraySpec, WritableStore, fletcher32_matches
-from deepspec.cache.format import FORMAT, INDEX_COLUMNS, CacheFormatError, index_name
+from deepspec.cache.backend import ArraySpec, WritableStore, fletcher32_matches
+from deepspec.cache.format import FORMAT, INDEX_COLUMNS, PART_NAME, CacheFormatError, index_name
 from deepspec.cache.hdf5_h5py import INDEX_DATASET
 from deepspec.cache.hdf5_part import write_part_file
 from deepspec.cache.hdf5_store import INDEX_DIR, INDEX_FILE, MANIFEST_NAME, SUFFIX, HDF5Store

@@ -9,9 +9,74 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
-from deepspec.cache.format import CONTENT_KEYS, FORMAT, FORMAT_VERSION, READ_VERSIONS, CacheFormatError
+from deepspec.cache.format import (CODECS, CONTENT_KEYS, DTYPES, FORMAT, FORMAT_VERSION, INDEX_COLUMNS,
+                                   INDEX_COLUMNS_V2, INDEX_KEY, PART_NAME, READ_VERSIONS, CacheFormatError)
 
 STORAGES = ("zarr", "hdf5")
+# bounds on what a manifest may declare, checked before anything is sized from it (a store is input
+# written by someone else: a teammate's lake, a pulled or unpacked cache)
+MAX_COUNT = 2**48          # samples or tokens of a part, bytes of an index
+MAX_HIDDEN = 2**20
+MAX_LAYER = 2**16
+
+
+def _int(value, field: str, where: str, low: int = 0, high: int = MAX_COUNT) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise CacheFormatError(f"{where}manifest field {field}: {value!r} is not an integer in [{low}, {high}]")
+    return value
+
+
+def _checked_parts(parts, where: str) -> list["PartEntry"]:
+    if not isinstance(parts, list):
+        raise CacheFormatError(f"{where}manifest field parts: a list expected, got {type(parts).__name__}")
+    out, seen = [], set()
+    for k, p in enumerate(parts):
+        field_ = f"parts[{k}]"
+        if not isinstance(p, dict) or set(p) - {"name", "samples", "tokens", "chunk_index"}:
+            raise CacheFormatError(f"{where}manifest field {field_}: not a part entry ({str(p)[:80]})")
+        name = p.get("name")
+        if not isinstance(name, str) or not PART_NAME.fullmatch(name):
+            raise CacheFormatError(f"{where}manifest field {field_}.name: {str(name)[:80]!r} is not a part name "
+                                   "(p + 6 digits or p + 24 hex digits)")
+        if name in seen:
+            raise CacheFormatError(f"{where}manifest field {field_}.name: part {name} is listed twice")
+        seen.add(name)
+        samples = _int(p.get("samples"), f"{field_}.samples", where)
+        tokens = _int(p.get("tokens"), f"{field_}.tokens", where)
+        if tokens < samples:
+            raise CacheFormatError(f"{where}manifest field {field_}: {samples} samples in {tokens} tokens")
+        where_ = p.get("chunk_index")
+        if where_ is not None:
+            if not isinstance(where_, list) or len(where_) != 3:
+                raise CacheFormatError(f"{where}manifest field {field_}.chunk_index: (offset, nbytes, crc32c) expected")
+            where_ = [_int(v, f"{field_}.chunk_index", where, high=2**62) for v in where_]
+        out.append(PartEntry(name, samples, tokens, where_))
+    return out
+
+
+def _checked_index(index, samples: int, where: str) -> dict | None:
+    if index is None:
+        return None
+    if not isinstance(index, dict):
+        raise CacheFormatError(f"{where}manifest field index: an object expected")
+    key = index.get("key")
+    if not isinstance(key, str) or not INDEX_KEY.fullmatch(key):
+        raise CacheFormatError(f"{where}manifest field index.key: {str(key)[:80]!r} is not an index key of a store "
+                               "(index/<16 hex digits>/c/0/0, index/<16 hex digits>.h5, index/c/0/0 or index.h5)")
+    columns = list(index.get("columns", INDEX_COLUMNS_V2))
+    if columns not in (list(INDEX_COLUMNS_V2), list(INDEX_COLUMNS)):
+        raise CacheFormatError(f"{where}manifest field index.columns: {columns} are neither "
+                               f"{list(INDEX_COLUMNS_V2)} nor {list(INDEX_COLUMNS)}")
+    n = _int(index.get("samples"), "index.samples", where)
+    if n != samples:
+        raise CacheFormatError(f"{where}manifest field index.samples: {n}, but its parts hold {samples} samples")
+    nbytes = _int(index.get("nbytes"), "index.nbytes", where)
+    if nbytes != 8 * len(columns) * n:
+        raise CacheFormatError(f"{where}manifest field index.nbytes: {nbytes}; an index of {n} samples is "
+                               f"{8 * len(columns) * n} bytes")
+    _int(index.get("offset"), "index.offset", where)
+    _int(index.get("crc32c"), "index.crc32c", where, high=2**32 - 1)
+    return dict(index)
 
 
 @dataclass
@@ -83,12 +148,24 @@ class Manifest(Mapping):
         known = {k: d.pop(k) for k in list(d) if k in names}
         d.pop("num_samples", None)
         d.pop("num_tokens", None)
-        known["parts"] = [PartEntry(**p) for p in known.get("parts", [])]
-        known["layers"] = [int(i) for i in known["layers"]]
+        # every field a reader sizes, opens or names a path by is checked here, once, with its name
+        known["parts"] = _checked_parts(known.get("parts", []), where)
+        layers = known["layers"]
+        if not isinstance(layers, list) or not layers or len(set(map(str, layers))) != len(layers):
+            raise CacheFormatError(f"{where}manifest field layers: {str(layers)[:80]} is not a list of distinct layer ids")
+        known["layers"] = [_int(i, "layers", where, low=-1, high=MAX_LAYER) for i in layers]
+        if known["dtype"] not in DTYPES:
+            raise CacheFormatError(f"{where}manifest field dtype: {known['dtype']!r} (known: {list(DTYPES)})")
+        if known.get("codec", "none") not in CODECS:
+            raise CacheFormatError(f"{where}manifest field codec: {known['codec']!r} (known: {list(CODECS)})")
+        for key, low, high in (("hidden_size", 0, MAX_HIDDEN), ("chunk_tokens", 1, 2**30), ("max_length", 0, 2**40)):
+            if key in known:
+                known[key] = _int(known[key], key, where, low, high)
         if int(known.get("format_version", FORMAT_VERSION)) < 2:
             known["consolidated"], known["index"] = True, None  # v1: the parts list is the store
         if known.get("storage", "zarr") not in STORAGES:
             raise CacheFormatError(f"{where}unknown storage {known['storage']!r} (known: {list(STORAGES)})")
+        known["index"] = _checked_index(known.get("index"), sum(p.samples for p in known["parts"]), where)
         return cls(**known, extra=d)
 
     def to_dict(self) -> dict:

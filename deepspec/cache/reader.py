@@ -11,7 +11,7 @@ import os
 import numpy as np
 
 from deepspec.cache.backend import ArrayLayout, CacheStore, split_index
-from deepspec.cache.format import CacheFormatError, hidden_name, sample_keys, scale_name
+from deepspec.cache.format import CacheFormatError, array_shape, hidden_name, sample_keys, scale_name
 from deepspec.cache.manifest import Manifest, PartEntry, manifest_mismatch
 from deepspec.cache.ranges import ByteRanges
 from deepspec.cache.shard_reader import ShardReader
@@ -83,6 +83,9 @@ class CacheReader:
         else:
             self._offsets = [self.read_array(p, "offsets", 0, e.samples + 1) for p, e in enumerate(self.entries)]
             self._ids = [self.read_array(p, "sample_id", 0, e.samples) for p, e in enumerate(self.entries)]
+            for e, o in zip(self.entries, self._offsets):  # sample lengths size every read: they must tile the part
+                if e.samples and (o[0] != 0 or o[-1] != e.tokens or (np.diff(o) < 1).any()):
+                    raise CacheFormatError(f"{url}: parts/{e.name}: offsets do not tile its {e.tokens} tokens")
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -149,12 +152,31 @@ class CacheReader:
         offsets = self._offsets[part]
         return part, int(offsets[local]), int(offsets[local + 1])
 
+    def _expected(self, part: int, name: str) -> tuple[np.dtype, tuple]:
+        e, m = self.entries[part], self.manifest
+        return array_shape(name, e.samples, e.tokens, m.hidden_size, m.dtype)
+
     def _layout(self, part: int, name: str) -> ArrayLayout | None:
         _, store, _, _, layouts = self._process_state()
         path = f"parts/{self.parts[part]}/{name}"
         if path not in layouts:
-            layouts[path] = store.layout(self.entries[part], name) if self.fast else None
+            layout = store.layout(self.entries[part], name) if self.fast else None
+            if layout is not None:
+                self._check_declared(part, name, layout.dtype, tuple(layout.shape))
+                c = layout.chunk_rows
+                if not (isinstance(c, int) and c >= 1 and (layout.n_chunks - 1) * c < max(layout.shape[0], 1)
+                        <= layout.n_chunks * c) or (layout.table is not None and layout.table.shape != (layout.n_chunks, 2)):
+                    raise CacheFormatError(f"{self.url}: {path}: chunking ({layout.n_chunks} chunks of {c} rows) "
+                                           f"does not cover its {layout.shape[0]} rows")
+            layouts[path] = layout
         return layouts[path]
+
+    def _check_declared(self, part: int, name: str, dtype, shape: tuple) -> None:
+        """A part's arrays are sized by what the manifest says, never by what they declare themselves."""
+        want_dtype, want_shape = self._expected(part, name)
+        if np.dtype(dtype).newbyteorder("=") != want_dtype or tuple(shape) != want_shape:
+            raise CacheFormatError(f"{self.url}: parts/{self.parts[part]}/{name}: declares {np.dtype(dtype).str} "
+                                   f"{list(shape)}; the manifest makes it {want_dtype.str} {list(want_shape)}")
 
     def read_array(self, part: int, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows [start, stop) of one array of one part (into `out` when given)."""
@@ -164,7 +186,14 @@ class CacheReader:
             if stop > layout.shape[0]:
                 raise CacheFormatError(f"{layout.name or layout.key}: rows {start}..{stop} past its {layout.shape[0]} rows")
             return shards.read_rows(layout, start, stop, out)
+        _, _, _, _, layouts = self._process_state()
+        declared = f"parts/{self.parts[part]}/{name}#declared"
+        if declared not in layouts:
+            self._check_declared(part, name, *store.declared(self.entries[part], name))
+            layouts[declared] = None
         values = store.read_slow(self.entries[part], name, start, stop)
+        if len(values) != stop - start:
+            raise CacheFormatError(f"{self.url}: parts/{self.parts[part]}/{name}: rows {start}..{stop} past its end")
         if out is None:
             return values
         out[...] = values

@@ -104,7 +104,14 @@ class ShardReader:
         if layout.blosc:
             from numcodecs import blosc
 
-            body = blosc.decompress(bytes(body))
+            body = bytes(body)
+            # Blosc's 16-byte header: version, versionlz, flags, typesize, then nbytes, blocksize, cbytes
+            # (uint32 LE); decompress() allocates nbytes, so the chunk's size comes from the layout
+            declared = int.from_bytes(body[4:8], "little") if len(body) >= 16 else -1
+            if declared != layout.chunk_rows * layout.row_bytes or int.from_bytes(body[12:16], "little") != len(body):
+                raise CacheFormatError(f"{layout.name or layout.key}: chunk {chunk}: its Blosc header declares "
+                                       f"{declared} bytes in {len(body)}; a chunk is {layout.chunk_rows * layout.row_bytes}")
+            body = blosc.decompress(body)
         return np.frombuffer(body, dtype=layout.dtype)
 
     def read_rows(self, layout: ArrayLayout, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:

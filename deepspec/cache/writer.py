@@ -24,9 +24,9 @@ import threading
 import numpy as np
 import torch
 
-from deepspec.cache.backend import (PART_NAME, ArraySpec, PartRows, WritableStore, detect, entry_of, index_rows,
+from deepspec.cache.backend import (ArraySpec, PartRows, WritableStore, detect, entry_of, index_rows,
                                     split_index)
-from deepspec.cache.format import (INDEX_COLUMNS, CacheFormatError, encode_hidden, hidden_name,
+from deepspec.cache.format import (INDEX_COLUMNS, PART_NAME, CacheFormatError, encode_hidden, hidden_name,
                                    key_to_str, part_arrays, part_name, sample_keys, scale_name)
 from deepspec.cache.lease import DEFAULT_TTL_S, LEASE_NAME, acquire, join
 from deepspec.cache.manifest import Manifest, PartEntry, manifest_mismatch

@@ -10,8 +10,8 @@ from functools import cached_property
 import numpy as np
 import zarr
 
-from deepspec.cache.backend import PART_NAME, ArrayLayout, CacheStore
-from deepspec.cache.format import CacheFormatError
+from deepspec.cache.backend import ArrayLayout, CacheStore
+from deepspec.cache.format import PART_NAME, CacheFormatError
 from deepspec.cache.manifest import PartEntry
 from deepspec.cache.store import local_path, open_root
 from deepspec.cache.zarr_layout import parse_layout
@@ -129,3 +129,10 @@ class ZarrStore(CacheStore):
 
     def array_rows(self, part: PartEntry, array: str) -> int:
         return int(self.root[f"parts/{part.name}/{array}"].shape[0])
+
+    def declared(self, part: PartEntry, array: str) -> tuple[np.dtype, tuple]:
+        try:
+            a = self.root[f"parts/{part.name}/{array}"]
+        except KeyError:
+            raise CacheFormatError(f"{self.url}: array parts/{part.name}/{array} is missing") from None
+        return np.dtype(a.dtype), tuple(a.shape)
