@@ -23,7 +23,7 @@ from deepspec.cache.backend import ArrayLayout, CacheStore
 from deepspec.cache.format import PART_NAME, CacheFormatError
 from deepspec.cache.hdf5_h5py import INDEX_DATASET, no_cyclic_gc, register_plugins
 from deepspec.cache.manifest import PartEntry
-from deepspec.cache.store import local_path, storage_options_for
+from deepspec.cache.store import inside_store, local_path, storage_options_for
 
 MANIFEST_NAME = "manifest.json"
 SUFFIX = ".h5"
@@ -58,7 +58,7 @@ class HDF5Store(CacheStore):
         if self.remote:
             _ = self.fs
             return f"{self._root.rstrip('/')}/{key}"
-        return str(local_path(self.url) / key)
+        return inside_store(str(local_path(self.url)), key)
 
     def cat(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         if self.remote:

@@ -65,22 +65,47 @@ def _iso(t: datetime) -> str:
     return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _pid_namespace() -> str:
+    """This process's PID namespace (`pid:[4026531836]`): two containers on one host (`--network host`)
+    share its host name and boot id, and a PID means something only within one namespace."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def owner(run_id: str, ttl: float, host: str | None = None) -> dict:
-    return {"run_id": run_id, "host": host or socket.gethostname(), "boot_id": _boot_id(), "pid": os.getpid(),
-            "created": _iso(_now()), "ttl_s": ttl, "token": uuid.uuid4().hex}
+    return {"run_id": run_id, "host": host or socket.gethostname(), "boot_id": _boot_id(),
+            "pid_ns": _pid_namespace(), "pid": os.getpid(), "created": _iso(_now()), "ttl_s": ttl,
+            "token": uuid.uuid4().hex}
+
+
+MAX_TTL_S = 86400.0  # a lease body is written by another job: its ttl is bounded, not trusted
+
+
+def holder_ttl(holder: dict | None, default: float) -> float:
+    """The holder's ttl in seconds: a stored value that is not a finite number in (0, MAX_TTL_S] (a
+    hostile or broken body: NaN would never expire or always, 1e300 never) counts as MAX_TTL_S."""
+    try:
+        ttl = float((holder or {}).get("ttl_s", default))
+    except (TypeError, ValueError):
+        return MAX_TTL_S
+    return ttl if 0.0 < ttl <= MAX_TTL_S else MAX_TTL_S
 
 
 def describe(holder: dict | None) -> str:
     if not holder:
         return "an unknown writer (unreadable lease)"
-    return (f"run {holder.get('run_id')} (host {holder.get('host')}, pid {holder.get('pid')}, "
-            f"since {holder.get('created')})")
+    field = lambda k: str(holder.get(k))[:64]  # noqa: E731 - a stored body is anyone's text: shown, bounded
+    return f"run {field('run_id')} (host {field('host')}, pid {field('pid')}, since {field('created')})"
 
 
 def _pid_gone(holder: dict) -> bool:
-    """True when the holder ran on this very machine (same host name and boot) and has exited."""
+    """True when the holder ran on this very machine (same host name, boot and PID namespace) and has exited."""
     if holder.get("host") != socket.gethostname() or holder.get("boot_id") != _boot_id() or not _boot_id():
         return False
+    if not _pid_namespace() or holder.get("pid_ns") != _pid_namespace():
+        return False  # another container (or a holder that did not say which): its PID is not ours to look up
     try:
         os.kill(int(holder["pid"]), 0)
     except ProcessLookupError:
@@ -157,16 +182,39 @@ class LocalLease(Lease):
         try:
             if fd is not None:
                 return _parse(os.pread(fd, 1 << 16, 0))
-            return _parse(self.path.read_bytes())
+            fd = self._open(os.O_RDONLY)
+            try:
+                return _parse(os.pread(fd, 1 << 16, 0))
+            finally:
+                os.close(fd)
         except OSError:
             return None
+
+    def _open(self, flags: int) -> int:
+        """The lease file, never through a symlink (a planted `lease.json -> ~/.bashrc` would be
+        truncated and overwritten) and only if it is a regular file."""
+        import stat
+
+        try:
+            fd = os.open(self.path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise LeaseError(f"{self.path}: is a symlink; a store's lease must be a regular file in it "
+                                 "(remove the link)") from None
+            if e.errno == errno.EISDIR:
+                raise LeaseError(f"{self.path}: not a regular file; a store's lease must be one (remove it)") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise LeaseError(f"{self.path}: not a regular file; a store's lease must be one (remove it)")
+        return fd
 
     def acquire(self) -> "LocalLease":
         import fcntl
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(100):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open(os.O_RDWR | os.O_CREAT)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -199,7 +247,7 @@ class LocalLease(Lease):
 
         holder = self._holder()
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            fd = self._open(os.O_RDONLY)
         except FileNotFoundError:
             raise LeaseError(f"{self.url}: no lease held (rank 0 of run {self.run_id} is not writing)") from None
         try:
@@ -306,12 +354,25 @@ class S3Lease(Lease):
         self._thread.start()
         return self
 
+    def _adopt(self, cur, sent: float) -> bool:
+        """A conditional PUT refused with 412 may be this writer's own: botocore retries a PUT whose
+        response timed out, and the first attempt may have landed. The stored token says whose it is."""
+        if cur is None or not cur[0] or cur[0].get("token") != self.body["token"]:
+            return False
+        self.etag, self.last_ok = cur[1], sent
+        log.info("%s: the lease write was answered 412 but the stored lease is this writer's (a retried "
+                 "PUT whose first attempt landed): kept", self.url)
+        return True
+
     def _take_over(self) -> bool:
+        sent = time.monotonic()
         cur = self._get()
+        if self._adopt(cur, sent):
+            return True
         if cur is None:
             return False  # released meanwhile: try to create it again
         holder, etag, age = cur
-        ttl = float((holder or {}).get("ttl_s", self.ttl))
+        ttl = holder_ttl(holder, self.ttl)
         expires = _iso(_now() + timedelta(seconds=max(0.0, ttl - age)))
         gone = holder is not None and _pid_gone(holder)
         if age <= ttl and not gone:
@@ -352,6 +413,8 @@ class S3Lease(Lease):
                 if not (self._precondition(e) or isinstance(e, FileNotFoundError)):
                     raise
                 cur = self._get()
+                if self._adopt(cur, sent):
+                    return
                 self.lost = describe(cur[0]) if cur else "nobody (the lease object was deleted)"
                 log.error("%s: lease lost to %s", self.url, self.lost)
 
@@ -368,7 +431,7 @@ class S3Lease(Lease):
         if self.joined:
             cur = self._get()
             holder, _, age = cur if cur else (None, None, 0.0)
-            ttl = float((holder or {}).get("ttl_s", self.ttl))
+            ttl = holder_ttl(holder, self.ttl)
             if not holder or holder.get("run_id") != self.run_id or age > ttl:
                 raise LeaseError(f"{self.url}: the lease is not held by this job (run {self.run_id}): "
                                  f"{describe(holder) if cur else 'nobody holds it'}")

@@ -13,7 +13,7 @@ import os
 import threading
 
 from deepspec.cache.format import CacheFormatError
-from deepspec.cache.store import is_remote, storage_options_for
+from deepspec.cache.store import inside_store, is_remote, link_roots, storage_options_for
 
 MAX_OPEN_FILES = 256
 
@@ -68,6 +68,7 @@ class ByteRanges:
             self.async_reads = bool(getattr(fs, "async_impl", False)) and not cache_dir
         else:
             self.root = url.removeprefix("file://")
+            self._roots = link_roots(self.root)
 
     def fd(self, key: str) -> int:
         """An open read-only descriptor of local file `key`, kept for the next read (the least
@@ -75,7 +76,7 @@ class ByteRanges:
         with self._lock:
             fd = self._fds.pop(key, None)
             if fd is None:
-                fd = os.open(os.path.join(self.root, key), os.O_RDONLY)
+                fd = os.open(inside_store(self.root, key, self._roots), os.O_RDONLY)
                 if len(self._fds) >= MAX_OPEN_FILES:
                     os.close(self._fds.popitem(last=False)[1])
             self._fds[key] = fd

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 import uuid
@@ -158,6 +159,30 @@ class FencedS3Store(FsspecStore):
 
 def local_path(url: str) -> Path:
     return Path(url.removeprefix("file://"))
+
+
+@functools.lru_cache(maxsize=256)
+def link_roots(root: str | Path) -> tuple[str, ...]:
+    """Where a local store's files may resolve to: the store itself and, for a store checked out by
+    DVC with `cache.type: symlink`, the DVC cache of the repository it lies in (`.dvc/cache`)."""
+    real = os.path.realpath(root)
+    roots = [real]
+    for parent in Path(real).parents:
+        if (parent / ".dvc").is_dir():
+            roots.append(os.path.realpath(parent / ".dvc" / "cache"))
+            break
+    return tuple(roots)
+
+
+def inside_store(root: str | Path, key: str, roots: tuple[str, ...] | None = None) -> str:
+    """The local path of store key `key`, refused (CacheFormatError) when a symlink on the way takes
+    it outside the store (a store written by someone else must not make deepspec read other files)."""
+    path = os.path.join(root, key)
+    real = os.path.realpath(path)
+    if real != path and not any(real == r or real.startswith(r + os.sep) for r in roots or link_roots(root)):
+        raise CacheFormatError(f"{root}: {key} is a link to {real}, outside the store; a store's files must "
+                               "lie inside it (or in the DVC cache of its repository)")
+    return path
 
 
 def open_store(url: str, mode: str = "r", storage_options: dict | None = None):

@@ -13,7 +13,7 @@ import zarr
 from deepspec.cache.backend import ArrayLayout, CacheStore
 from deepspec.cache.format import PART_NAME, CacheFormatError
 from deepspec.cache.manifest import PartEntry
-from deepspec.cache.store import local_path, open_root
+from deepspec.cache.store import inside_store, local_path, open_root
 from deepspec.cache.zarr_layout import parse_layout
 
 # the consolidated per-sample index (§3.1): v3, arrays `index/<name>` (uint64 [samples, 6], one chunk,
@@ -111,8 +111,16 @@ class ZarrStore(CacheStore):
         return dict(sorted(self.part_marks().items()))
 
     # ---- reading -----------------------------------------------------------------------------
+    def _inside(self, path: str) -> None:
+        """A local array's metadata and shard are read through zarr-python: its directory must not
+        link outside the store (store.inside_store; the fast path checks every file it opens)."""
+        if not self.remote:
+            for key in ("zarr.json", "c/0", "c/0/0"):  # the shard of a 1-D or a 2-D array
+                inside_store(str(local_path(self.url)), f"{path}/{key}")
+
     def layout(self, part: PartEntry, array: str) -> ArrayLayout | None:
         path = f"parts/{part.name}/{array}"
+        self._inside(path)
         try:
             meta = self.root[path].metadata.to_dict()
         except KeyError:
@@ -131,6 +139,7 @@ class ZarrStore(CacheStore):
         return int(self.root[f"parts/{part.name}/{array}"].shape[0])
 
     def declared(self, part: PartEntry, array: str) -> tuple[np.dtype, tuple]:
+        self._inside(f"parts/{part.name}/{array}")
         try:
             a = self.root[f"parts/{part.name}/{array}"]
         except KeyError:

@@ -139,3 +139,43 @@ def test_a_blosc_header_that_declares_a_larger_chunk_is_refused_before_decompres
     open(shard, "wb").write(bytes(raw))
     with pytest.raises(CacheFormatError, match="Blosc header declares 2147483648"):
         CacheReader(url).read(0)
+
+
+@pytest.mark.parametrize("what", ["part", "file"])
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_link_out_of_a_local_store_is_refused(store, tmp_path, what, fast):
+    """A part directory (or one chunk file) replaced by a symlink to a copy outside the store: the
+    bytes are right, every checksum would pass, and the store must not be read through it."""
+    import shutil
+
+    kind, url, options = store
+    if url.startswith("s3://"):
+        pytest.skip("object stores have no links")
+    part = f"parts/p000000{'.h5' if kind == 'hdf5' else ''}"
+    if what == "file":
+        if kind == "hdf5":
+            pytest.skip("an HDF5 part is one file: the part case is the file case")
+        part = f"{part}/hidden/0/c/0/0"
+    inside, outside = os.path.join(url, part), str(tmp_path / "elsewhere" / os.path.basename(part))
+    os.makedirs(os.path.dirname(outside), exist_ok=True)
+    shutil.move(inside, outside)
+    os.symlink(outside, inside)
+    message = refused(store, "outside the store", fast=fast)
+    assert outside in message
+
+
+def test_a_dvc_symlink_checkout_into_the_repos_cache_is_read(tmp_path):
+    """`cache.type: symlink` makes every file of a checked-out store a link into .dvc/cache: allowed."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    (repo / ".dvc" / "cache" / "files").mkdir(parents=True)
+    url = str(repo / "data" / "cache.zarr")
+    parts = [make_part("p000000", 1)]
+    write(("zarr", url, None), parts)
+    for n, path in enumerate(p for p in sorted((repo / "data").rglob("*")) if p.is_file()):
+        target = repo / ".dvc" / "cache" / "files" / f"{n:04d}"
+        shutil.move(path, target)
+        os.symlink(target, path)
+    reader = CacheReader(url)
+    assert np.array_equal(reader.read(0)["input_ids"], parts[0].input_ids[:parts[0].lengths[0]])

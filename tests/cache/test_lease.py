@@ -199,3 +199,74 @@ def test_objects_of_a_part_are_only_created_never_overwritten_on_s3(s3_store):
     assert part_ids(url, so, "p000000") == [21, 22]
     assert list(holder.committed_parts()) == ["p000000"]
     holder.release()
+
+
+# ---- faults a lease meets: planted files, retried PUTs, other containers, hostile bodies -----------
+
+@pytest.mark.parametrize("planted", ["symlink", "directory"])
+def test_a_planted_lease_file_is_refused_and_nothing_behind_it_is_written(tmp_path, planted):
+    url = tmp_path / "store"
+    url.mkdir()
+    victim = tmp_path / "bashrc"
+    victim.write_text("export PATH=$HOME/bin:$PATH\n")
+    if planted == "symlink":
+        os.symlink(victim, url / "lease.json")
+    else:
+        (url / "lease.json").mkdir()
+    with pytest.raises(CacheFormatError, match="symlink" if planted == "symlink" else "not a regular file"):
+        CacheWriter(str(url), MANIFEST)
+    assert victim.read_text() == "export PATH=$HOME/bin:$PATH\n"
+
+
+def test_a_retried_lease_put_whose_first_attempt_landed_keeps_the_lease(s3_store, monkeypatch, caplog):
+    """botocore retries a PUT whose response timed out; when the first attempt had landed, the retry
+    is answered 412 (the object exists / its ETag changed). The writer's own token is stored: it holds."""
+    from deepspec.cache.lease import S3Lease
+
+    url, so = s3_store
+    caplog.set_level("INFO", logger="deepspec.cache.lease")
+    real = S3Lease._put
+
+    def put_then_retry(self, body, **condition):
+        real(self, body, **condition)        # lands; its response is lost
+        return real(self, body, **condition)  # the retry: refused by the condition the first attempt spent
+
+    monkeypatch.setattr(S3Lease, "_put", put_then_retry)
+    w = CacheWriter(url, MANIFEST, so)
+    w.lease._renew()  # the same on a renewal (If-Match on the ETag the first attempt replaced)
+    assert w.lease.lost is None
+    w.lease.check()
+    w.submit(part("p000000", 1))
+    w.close()
+    w.release()
+    assert caplog.text.count("the stored lease is this writer's") == 2
+
+
+def _plant(moto, url, **body):
+    from deepspec.cache.lease import owner
+
+    bucket, key = url.removeprefix("s3://").split("/", 1)
+    doc = dict(owner("planted0000000000", 600.0), **body)
+    moto.client().put_object(Bucket=bucket, Key=f"{key}/lease.json", Body=json.dumps(doc).encode())
+    return doc
+
+
+def test_a_dead_pid_in_another_pid_namespace_is_not_taken_for_ours(s3_store, moto):
+    """Two `--network host` containers on one node share the host name and boot id; a PID of the
+    other's namespace says nothing about ours, so its lease is only taken over once it expires."""
+    url, so = s3_store
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _plant(moto, url, pid=dead.pid, pid_ns="pid:[1]")
+    with pytest.raises(CacheFormatError, match="run planted0000000000.*expires at"):
+        CacheWriter(url, MANIFEST, so)
+    _plant(moto, url, pid=dead.pid)  # this namespace: that PID is gone, the lease is taken over at once
+    CacheWriter(url, MANIFEST, so).release()
+
+
+@pytest.mark.parametrize("ttl", [float("nan"), 1e300, -5, "soon"])
+def test_a_hostile_lease_ttl_is_bounded_not_trusted(s3_store, moto, ttl):
+    url, so = s3_store
+    _plant(moto, url, ttl_s=ttl, host="elsewhere")
+    with pytest.raises(CacheFormatError, match=r"run planted0000000000 \(host elsewhere.*ttl 86400 s"):
+        CacheWriter(url, MANIFEST, so)
