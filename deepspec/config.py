@@ -343,12 +343,49 @@ def _validator() -> TypeAdapter:
     return TypeAdapter(Params)
 
 
+# keys of fsspec/s3fs/gcsfs/adlfs options (and of botocore's client kwargs) that carry a credential
+CREDENTIAL_KEYS = re.compile(r"(^|_)(key|secret|token|password|passwd|credentials?|account_key|sas_token|"
+                             r"connection_string|access_key_id|secret_access_key|session_token)$", re.IGNORECASE)
+NOT_CREDENTIALS = {"sse_kms_key_id", "ssekmskeyid"}  # names of keys that are not secrets themselves
+
+
+def _credentials(value: Any, path: str) -> list[str]:
+    found = []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            where = f"{path}.{k}"
+            if isinstance(k, str) and CREDENTIAL_KEYS.search(k) and k.lower() not in NOT_CREDENTIALS and v:
+                found.append(where)
+            found += _credentials(v, where)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found += _credentials(v, f"{path}[{i}]")
+    return found
+
+
+def refuse_secrets(params: Params) -> None:
+    """params.yaml is committed and every stage's params are copied into dvc.lock: a credential there
+    ends up in git. Refused, with where it belongs instead."""
+    found = _credentials(params.cache.storage_options, "cache.storage_options")
+    if found:
+        raise ConfigError(f"{', '.join(found)}: a credential in params.yaml would be committed (and copied into "
+                          "dvc.lock); set it in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                          "AWS_SESSION_TOKEN, or a profile: AWS_PROFILE) or for DVC in .dvc/config.local")
+    for i, url in enumerate(params.regen.urls):
+        if "@" in url.split("://", 1)[-1].split("/", 1)[0]:
+            raise ConfigError(f"regen.urls[{i}]: user info in a server URL would be committed (and copied into "
+                              f"dvc.lock); put the key in the environment variable regen.api_key_env names "
+                              f"({params.regen.api_key_env})")
+
+
 def params_from_dict(raw: Any) -> Params:
     try:
-        return _validator().validate_python({} if raw is None else raw)
+        params = _validator().validate_python({} if raw is None else raw)
     except ValidationError as e:
         messages = [_message(err) for err in e.errors()]
         raise ConfigError("; ".join(messages)) from None
+    refuse_secrets(params)
+    return params
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,35 @@ def test_sampling_defaults_are_qwen3_non_thinking():
 
     s = SamplingConfig()
     assert (s.temperature, s.top_p, s.top_k, s.min_p) == (0.7, 0.8, 20, 0.0)
+
+
+@pytest.mark.parametrize("options,field", [
+    ({"key": "AKIA0000", "secret": "s3cr3t"}, "cache.storage_options.key"),
+    ({"client_kwargs": {"aws_secret_access_key": "s3cr3t"}}, "cache.storage_options.client_kwargs.aws_secret_access_key"),
+    ({"token": "t0ken"}, "cache.storage_options.token"),
+    ({"account_key": "azure"}, "cache.storage_options.account_key"),
+])
+def test_credentials_in_storage_options_are_refused_pointing_to_the_environment(tmp_path, options, field):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"cache": {"url": "s3://bucket/lake", "storage_options": options}}))
+    with pytest.raises(ConfigError, match=re.escape(field)) as e:
+        load_params(path)
+    assert "AWS_SECRET_ACCESS_KEY" in str(e.value) and ".dvc/config.local" in str(e.value)
+    assert "s3cr3t" not in str(e.value) and "t0ken" not in str(e.value)
+
+
+def test_storage_options_without_credentials_load():
+    params = params_from_dict({"cache": {"storage_options": {"endpoint_url": "https://s3.example",
+                                                             "profile": "team", "s3_additional_kwargs":
+                                                             {"SSEKMSKeyId": "alias/lake"}, "anon": False}}})
+    assert params.cache.storage_options["profile"] == "team"
+
+
+def test_a_server_url_with_user_info_is_refused_and_never_logged():
+    from deepspec.data.chat_client import Endpoint
+
+    with pytest.raises(ConfigError, match=r"regen.urls\[1\].*OPENAI_API_KEY") as e:
+        params_from_dict({"regen": {"backend": "openai", "urls": ["http://a:30000", "http://me:pw@b:30000"]}})
+    assert "pw" not in str(e.value)
+    assert Endpoint("http://me:pw@b:30000", "m").shown == "http://***@b:30000"
+    assert Endpoint("http://b:30000", "m").shown == "http://b:30000"

@@ -108,6 +108,20 @@ class Endpoint:
     url: str      # base URL without /v1
     model: str
 
+    @property
+    def shown(self) -> str:
+        """The URL for logs and errors: without user info (a password in it must not reach a log)."""
+        return redact_url(self.url)
+
+
+def redact_url(url: str) -> str:
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
+
 
 # the body fields the openai SDK takes as arguments; the rest (top_k, min_p, chat_template_kwargs,
 # generation_config) goes in its `extra_body`, sent as given
@@ -242,8 +256,8 @@ def probe_endpoints(endpoints: list[Endpoint], cfg: RegenConfig, sampling: Sampl
         try:
             status, text = client.status(ep, body)
         except RequestFailed as e:
-            log.warning("regen: %s did not answer the start-up probe (%s); leaving it out", ep.url, e)
-            dead.append(f"{ep.url} ({e.reason}: {e.detail[:120]})")
+            log.warning("regen: %s did not answer the start-up probe (%s); leaving it out", ep.shown, e)
+            dead.append(f"{ep.shown} ({e.reason}: {e.detail[:120]})")
             continue
         if status >= 400:
             raise ProbeRejected(_why_rejected(client, ep, body, status, text))
@@ -260,7 +274,7 @@ def _why_rejected(client: Client, ep: Endpoint, body: dict, status: int, text: s
     extras = [k for k in body if k not in BASE_FIELDS]
     bare = {k: v for k, v in body.items() if k not in extras}
     if not extras or client.status(ep, bare)[0] >= 400:
-        return f"regen: {ep.url} rejects the request itself (HTTP {status}: {text[:300]}); check regen.model, the URL " \
+        return f"regen: {ep.shown} rejects the request itself (HTTP {status}: {text[:300]}); check regen.model, the URL " \
                f"and the API key (regen.api_key_env)"
     refused = []
     for k in extras:
@@ -269,6 +283,6 @@ def _why_rejected(client: Client, ep: Endpoint, body: dict, status: int, text: s
             refused.append(f"`{k}` (HTTP {code}: {why[:300]}), which carries {EXTRA_PARAMS.get(k, k)}")
     if not refused:  # only the combination is refused
         refused = [f"{', '.join(f'`{k}`' for k in extras)} together (HTTP {status}: {text[:300]})"]
-    return (f"regen: {ep.url} rejects " + "; and ".join(refused) + ". Regenerating without it would sample "
+    return (f"regen: {ep.shown} rejects " + "; and ".join(refused) + ". Regenerating without it would sample "
             "otherwise than params.yaml says: use a server that accepts it (vLLM and sglang take top_k, min_p and "
             "chat_template_kwargs; for `transformers serve` set regen.backend: transformers)")
