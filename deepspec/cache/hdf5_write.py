@@ -18,7 +18,8 @@ from deepspec.cache.hdf5_h5py import INDEX_DATASET
 from deepspec.cache.hdf5_part import write_part_file
 from deepspec.cache.hdf5_store import INDEX_DIR, INDEX_FILE, MANIFEST_NAME, SUFFIX, HDF5Store
 from deepspec.cache.manifest import Manifest, PartEntry
-from deepspec.cache.store import PartConflict, durable_replace, fsync_path, local_path, refused_as_existing
+from deepspec.cache.store import (PartConflict, durable_replace, fenced_read, fenced_replace, fsync_path, local_path,
+                                  refused_as_existing)
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,30 @@ class HDF5StoreWriter(HDF5Store, WritableStore):
     def delete_index(self, name: str) -> None:
         self._delete_key(f"{INDEX_DIR}/{name}{SUFFIX}")
 
+    def root_attrs(self) -> dict:
+        if not self.url.startswith("s3://"):
+            return super().root_attrs()
+        from fsspec.asyn import sync
+
+        data, etag = sync(self.fs.loop, fenced_read, self.fs, self.key_path(MANIFEST_NAME))
+        if getattr(self, "_root_etag", None) is None:
+            self._root_etag = etag  # fenced from here (store.fenced_replace)
+        if data is None:
+            return {}
+        try:
+            return json.loads(data)
+        except ValueError:
+            raise CacheFormatError(f"{self.url}/{MANIFEST_NAME}: not valid JSON") from None
+
     def write_manifest(self, manifest: Manifest) -> None:
         data = json.dumps(manifest.stored_dict(), indent=1, sort_keys=True).encode()
+        if self.url.startswith("s3://"):
+            from fsspec.asyn import sync
+
+            if getattr(self, "_root_etag", None) is None:
+                self.root_attrs()
+            self._root_etag = sync(self.fs.loop, fenced_replace, self.fs, self.key_path(MANIFEST_NAME), data, self._root_etag)
+            return
         if self.remote:
             self.fs.pipe_file(self.key_path(MANIFEST_NAME), data)
             return

@@ -106,22 +106,79 @@ def refused_as_existing(e: OSError) -> bool:
     return isinstance(e, FileExistsError) or code in ("PreconditionFailed", "412")
 
 
+ROOT_KEYS = ("zarr.json", "manifest.json")  # a store's root manifest: Zarr's root group, HDF5's manifest
+ABSENT = ""  # the ETag a fence holds for a root that did not exist when it was read
+
+
+async def fenced_read(fs, path: str) -> tuple[bytes | None, str]:
+    """An S3 object's bytes and ETag (None, ABSENT when it does not exist), in one GET."""
+    bucket, key, _ = fs.split_path(path)
+    try:
+        r = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+    except FileNotFoundError:
+        return None, ABSENT
+    try:
+        return await r["Body"].read(), r["ETag"]
+    finally:
+        r["Body"].close()
+
+
+async def fenced_replace(fs, path: str, data: bytes, etag: str) -> str:
+    """Replace an S3 store's root manifest only if it is still the version this writer read (`If-Match`
+    on its ETag; `If-None-Match: *` if there was none): a writer whose lease was taken over while it
+    was paused fails here instead of switching the new holder's store to its own parts. Returns the new ETag."""
+    bucket, key, _ = fs.split_path(path)
+    cond = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+    try:
+        out = await fs._call_s3("put_object", Bucket=bucket, Key=key, Body=data, **cond)
+    except OSError as e:
+        code = getattr(e.__cause__, "response", {}).get("Error", {}).get("Code")
+        if isinstance(e, (FileExistsError, FileNotFoundError)) or code in ("PreconditionFailed", "412", "409",
+                                                                            "ConditionalRequestConflict"):
+            raise PartConflict(f"s3://{path}: the store's root manifest was replaced by another writer since this "
+                               "writer read it; not overwriting it (was this writer's lease taken over?)") from None
+        raise
+    finally:
+        fs.invalidate_cache(path)
+    return out["ETag"]
+
+
 class FencedS3Store(FsspecStore):
     """An S3 store on which a writer only ever *creates* the objects of a part (`If-None-Match: *`)
     and only replaces an object it created itself (`If-Match` on the ETag it got back): the part
     commit mark. A writer that lost its lease while paused mid-part (deepspec.cache.lease) can then
     make the new holder's write fail loudly, but can never overwrite or un-commit the new holder's
-    part. Keys outside parts/<name>/ (the root manifest) are written plainly by the lease holder."""
+    part. The root zarr.json is replaced only if it is still the version this writer read
+    (fenced_replace); other keys outside parts/<name>/ (the index objects, named by content) plainly."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._etags: dict[str, str] = {}
+        self._root_etag: str | None = None  # the ETag of the root zarr.json as this writer first read it
 
     def s3_path(self, key: str) -> str:
         """The S3 path ("bucket/prefix/key") of a key of this store."""
         return f"{self.path.rstrip('/')}/{key}"
 
+    async def get(self, key: str, prototype, byte_range=None):
+        if key != "zarr.json" or byte_range is not None:
+            return await super().get(key, prototype, byte_range)
+        if not self._is_open:
+            await self._open()
+        data, etag = await fenced_read(self.fs, self.s3_path(key))
+        if self._root_etag is None:
+            self._root_etag = etag  # fenced from here: the root is replaced only if it is still this version
+        return None if data is None else prototype.buffer.from_bytes(data)
+
     async def set(self, key: str, value, byte_range=None) -> None:
+        if key == "zarr.json" and byte_range is None:
+            if not self._is_open:
+                await self._open()
+            self._check_writable()
+            if self._root_etag is None:  # not read yet (zarr reads the root first): fence from what is there now
+                self._root_etag = (await fenced_read(self.fs, self.s3_path(key)))[1]
+            self._root_etag = await fenced_replace(self.fs, self.s3_path(key), value.to_bytes(), self._root_etag)
+            return
         if not PART_KEY.fullmatch(key):
             return await super().set(key, value, byte_range)
         if not self._is_open:

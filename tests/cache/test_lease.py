@@ -270,3 +270,24 @@ def test_a_hostile_lease_ttl_is_bounded_not_trusted(s3_store, moto, ttl):
     _plant(moto, url, ttl_s=ttl, host="elsewhere")
     with pytest.raises(CacheFormatError, match=r"run planted0000000000 \(host elsewhere.*ttl 86400 s"):
         CacheWriter(url, MANIFEST, so)
+
+
+@pytest.mark.parametrize("kind", ["zarr", "hdf5"])
+def test_the_root_manifest_is_replaced_only_if_it_is_what_the_writer_read(s3_store, moto, kind):
+    """A writer paused past its lease, whose store another job then took over and consolidated, must
+    not switch the root back to its own parts: the root is written with If-Match on what it read."""
+    from deepspec.cache.store import PartConflict
+    from tests.cache.test_conformance import make_part, manifest
+
+    url, so = s3_store
+    bucket, prefix = url.removeprefix("s3://").split("/", 1)
+    key = f"{prefix}/{'zarr.json' if kind == 'zarr' else 'manifest.json'}"
+    w = CacheWriter(url, manifest(kind), so)
+    w.submit(make_part("p000000", 1))
+    s3 = moto.client()
+    theirs = s3.get_object(Bucket=bucket, Key=key)["Body"].read().replace(b'"layers"', b'"replaced_by": "another job", "layers"')
+    s3.put_object(Bucket=bucket, Key=key, Body=theirs)  # the other job's consolidation
+    with pytest.raises(PartConflict, match="root manifest was replaced by another writer"):
+        w.close()
+    w.release()
+    assert s3.get_object(Bucket=bucket, Key=key)["Body"].read() == theirs
