@@ -20,6 +20,7 @@ import numpy as np
 from crc32c import crc32c
 
 from deepspec.cache.backend import ArrayLayout, CacheStore
+from deepspec.cache.bounded import BoundedCache
 from deepspec.cache.format import PART_NAME, CacheFormatError
 from deepspec.cache.hdf5_h5py import INDEX_DATASET, no_cyclic_gc, register_plugins
 from deepspec.cache.manifest import PartEntry
@@ -40,10 +41,13 @@ class HDF5Store(CacheStore):
     def __init__(self, url: str, storage_options: dict | None = None):
         super().__init__(url, storage_options)
         self._fs = None
-        self.tables: dict[str, dict] = {}
+        # parsed chunk tables, per part (numpy arrays, not the JSON's lists), bounded: least recently used out
+        self.tables = BoundedCache(self.TABLE_BYTES)
+
+    TABLE_BYTES = 64 << 20
 
     def __getstate__(self):
-        return dict(self.__dict__, _fs=None, tables={}, last_listing=None)
+        return dict(self.__dict__, _fs=None, tables=BoundedCache(self.TABLE_BYTES), last_listing=None)
 
     # ---- bytes -------------------------------------------------------------------------------
     @property
@@ -158,7 +162,13 @@ class HDF5Store(CacheStore):
             blob = self.cat(key, off, off + n)
             if crc32c(blob) != crc:
                 raise CacheFormatError(f"{self.url}: {key}: chunk table checksum mismatch (corrupt bytes)")
-            table = self.tables[part.name] = json.loads(blob)
+            try:
+                table = {name: dict(t, chunks=np.asarray(t["chunks"], dtype=np.uint64).reshape(-1, 2),
+                                    **({"crc32c": np.asarray(t["crc32c"], dtype=np.uint32)} if "crc32c" in t else {}))
+                         for name, t in json.loads(blob).items()}
+            except (ValueError, TypeError, KeyError, AttributeError) as e:
+                raise CacheFormatError(f"{self.url}: {key}: chunk table unreadable ({e.__class__.__name__})") from None
+            self.tables[part.name] = table
         return table
 
     def layout(self, part: PartEntry, array: str) -> ArrayLayout | None:

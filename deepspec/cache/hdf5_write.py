@@ -175,7 +175,7 @@ class HDF5StoreWriter(HDF5Store, WritableStore):
 
     def delete_part(self, name: str) -> None:
         self._delete_key(f"parts/{name}{SUFFIX}")
-        self.tables.pop(name, None)
+        self.tables.clear()  # (the bounded cache has no pop: a deleted part is rare)
         self.last_listing = None
 
     def delete_all(self) -> None:

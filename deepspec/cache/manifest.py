@@ -197,17 +197,40 @@ class Manifest(Mapping):
         return {k: v for k, v in self.to_dict().items()
                 if k not in ("parts", "num_samples", "num_tokens", "consolidated", "index")}
 
-    # read-only mapping view of the JSON form
+    # read-only mapping view of the JSON form: a field is read in O(1) (only `parts` lists every part)
     def __getitem__(self, key: str):
         if key == "storage":
             return self.storage
-        return self.to_dict()[key]
+        if key in self.extra:
+            return self.extra[key]
+        if key == "parts":
+            return [p.to_dict() for p in self.parts]
+        if key in ("num_samples", "num_tokens"):
+            return getattr(self, key)
+        if key in _FIELDS and key != "extra":
+            value = getattr(self, key)
+            if value is None or (key == "consolidated" and self.format_version < 2):
+                raise KeyError(key)
+            return value
+        raise KeyError(key)
 
     def __iter__(self):
-        return iter(self.to_dict())
+        return iter(self._keys())
 
     def __len__(self) -> int:
-        return len(self.to_dict())
+        return len(self._keys())
+
+    def _keys(self) -> list[str]:
+        """to_dict()'s keys, without building it."""
+        keys = list(self.extra)
+        for f in fields(self):
+            if f.name in ("extra", "parts") or f.name in self.extra:
+                continue
+            if (f.name == "storage" and self.storage == "zarr") or \
+                    (f.name == "consolidated" and self.format_version < 2) or getattr(self, f.name) is None:
+                continue
+            keys.append(f.name)
+        return keys + [k for k in ("parts", "num_samples", "num_tokens") if k not in keys]
 
 
 def manifest_mismatch(old: dict, new: dict) -> str | None:
@@ -221,3 +244,6 @@ def manifest_mismatch(old: dict, new: dict) -> str | None:
         elif a != b:
             return f"{key}: store has {a!r}, expected {b!r}"
     return None
+
+
+_FIELDS = frozenset(f.name for f in fields(Manifest))

@@ -11,11 +11,15 @@ import os
 import numpy as np
 
 from deepspec.cache.backend import ArrayLayout, CacheStore, split_index
+from deepspec.cache.bounded import BoundedCache
 from deepspec.cache.format import CacheFormatError, array_shape, hidden_name, sample_keys, scale_name
 from deepspec.cache.manifest import Manifest, PartEntry, manifest_mismatch
 from deepspec.cache.ranges import ByteRanges
 from deepspec.cache.shard_reader import ShardReader
 from deepspec.cache.stores import open_cache
+
+
+_UNKNOWN = object()  # a layout not looked up yet (None is a known one: read through the library)
 
 
 class CacheReader:
@@ -99,7 +103,9 @@ class CacheReader:
         pid = os.getpid()
         if self._state is None or self._state[0] != pid:
             files = ByteRanges(self.url, self.storage_options, self.cache_dir, connections=self.read_ahead)
-            self._state = (pid, self.store, files, ShardReader(files, self.verify, check_threads=self.check_threads), {})
+            # the layouts of the arrays this process touched (an HDF5 layout holds its chunk table): bounded
+            self._state = (pid, self.store, files, ShardReader(files, self.verify, check_threads=self.check_threads),
+                           BoundedCache(self.LAYOUT_BYTES))
         return self._state
 
     def lengths(self) -> np.ndarray:
@@ -156,20 +162,24 @@ class CacheReader:
         e, m = self.entries[part], self.manifest
         return array_shape(name, e.samples, e.tokens, m.hidden_size, m.dtype)
 
+    LAYOUT_BYTES = 64 << 20
+
     def _layout(self, part: int, name: str) -> ArrayLayout | None:
         _, store, _, _, layouts = self._process_state()
         path = f"parts/{self.parts[part]}/{name}"
-        if path not in layouts:
-            layout = store.layout(self.entries[part], name) if self.fast else None
-            if layout is not None:
-                self._check_declared(part, name, layout.dtype, tuple(layout.shape))
-                c = layout.chunk_rows
-                if not (isinstance(c, int) and c >= 1 and (layout.n_chunks - 1) * c < max(layout.shape[0], 1)
-                        <= layout.n_chunks * c) or (layout.table is not None and layout.table.shape != (layout.n_chunks, 2)):
-                    raise CacheFormatError(f"{self.url}: {path}: chunking ({layout.n_chunks} chunks of {c} rows) "
-                                           f"does not cover its {layout.shape[0]} rows")
-            layouts[path] = layout
-        return layouts[path]
+        layout = layouts.get(path, _UNKNOWN)
+        if layout is not _UNKNOWN:
+            return layout
+        layout = store.layout(self.entries[part], name) if self.fast else None
+        if layout is not None:
+            self._check_declared(part, name, layout.dtype, tuple(layout.shape))
+            c = layout.chunk_rows
+            if not (isinstance(c, int) and c >= 1 and (layout.n_chunks - 1) * c < max(layout.shape[0], 1)
+                    <= layout.n_chunks * c) or (layout.table is not None and layout.table.shape != (layout.n_chunks, 2)):
+                raise CacheFormatError(f"{self.url}: {path}: chunking ({layout.n_chunks} chunks of {c} rows) "
+                                       f"does not cover its {layout.shape[0]} rows")
+        layouts[path] = layout
+        return layout
 
     def _check_declared(self, part: int, name: str, dtype, shape: tuple) -> None:
         """A part's arrays are sized by what the manifest says, never by what they declare themselves."""

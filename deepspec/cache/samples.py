@@ -24,7 +24,7 @@ def read_samples(reader: CacheReader, indices: list[int], layers: list, fields: 
     """Samples `indices` with only the requested layers and fields read. On a remote store the byte
     ranges of all of them are fetched together (`read_ahead` requests in flight); every array's
     checks are settled before any item is handed out."""
-    r, H = reader, int(reader.manifest["hidden_size"])
+    r, H = reader, int(reader.manifest.hidden_size)
     items, requests, finish = [], [], []
     for index in indices:
         part, start, stop = r.locate(index)

@@ -25,6 +25,7 @@ import contextlib
 import numpy as np
 
 from deepspec.cache.backend import ArrayLayout, fletcher32_matches
+from deepspec.cache.bounded import BoundedCache
 from deepspec.cache.checks import Batch, ChecksumError, checker, first_bad, mismatch
 from deepspec.cache.format import CacheFormatError
 from deepspec.cache.ranges import ByteRanges, preadv_all
@@ -51,38 +52,47 @@ class ShardReader:
         # strict (`deepspec cache verify`): an HDF5 chunk's own Fletcher-32 is checked as well as
         # the crc32c recorded for it in the chunk table
         self.strict = strict
-        self._index: dict[str, np.ndarray] = {}
-        self._dense: dict[str, bool] = {}  # every chunk present and stored back to back, in order
+        # per array: (chunk index [n_chunks, 2], dense: every chunk present and stored back to back, in
+        # order); bounded, least recently used out (bounded.py): a process reads a whole store per epoch
+        self._tables = BoundedCache(self.TABLE_BYTES)
+
+    TABLE_BYTES = 64 << 20  # chunk indexes kept per process (a reference-size part's array: ~256 KB)
 
     def index(self, layout: ArrayLayout) -> np.ndarray:
-        idx = self._index.get(layout.key) if layout.table is None else self._index.get(layout.name)
-        if idx is None and layout.table is not None:  # recorded when the part committed (HDF5)
-            idx = self._index[layout.name] = layout.table
-            row = layout.chunk_rows * layout.row_bytes + 4
-            self._dense[layout.name] = bool(len(idx) and (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all()
-                                            and (idx[:, 1] == row).all())
-        elif idx is None:
-            nbytes = 16 * layout.n_chunks + 4
-            size = self.files.size(layout.key)
-            idx = self._keep_index(layout, self.files.read(layout.key, size - nbytes, size))
-        return idx
+        return self._table(layout)[0]
 
-    def _keep_index(self, layout: ArrayLayout, raw: bytes) -> np.ndarray:
+    def _table(self, layout: ArrayLayout) -> tuple[np.ndarray, bool]:
+        got = self._tables.get(layout.key if layout.table is None else layout.name)
+        if got is not None:
+            return got
+        if layout.table is not None:  # recorded when the part committed (HDF5)
+            idx = layout.table
+            row = layout.chunk_rows * layout.row_bytes + 4
+            got = (idx, bool(len(idx) and (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all() and (idx[:, 1] == row).all()))
+            self._tables[layout.name] = got
+            return got
+        nbytes = 16 * layout.n_chunks + 4
+        size = self.files.size(layout.key)
+        if size < nbytes:
+            raise CacheFormatError(f"{layout.name or layout.key}: {size} bytes cannot hold the index of its "
+                                   f"{layout.n_chunks} chunks")
+        return self._keep_index(layout, self.files.read(layout.key, size - nbytes, size))
+
+    def _keep_index(self, layout: ArrayLayout, raw: bytes) -> tuple[np.ndarray, bool]:
         """A Zarr shard's index (the last 16 * n_chunks + 4 bytes of its file), checked and kept."""
         body, crc = raw[:-4], int.from_bytes(raw[-4:], "little")
         if len(raw) != 16 * layout.n_chunks + 4 or _crc32c(body) != crc:
             raise ChecksumError(f"{layout.key}: shard index checksum mismatch")
         idx = np.frombuffer(body, dtype="<u8").reshape(layout.n_chunks, 2)
-        self._index[layout.key] = idx
-        self._dense[layout.key] = bool((idx[:, 0] != EMPTY).all() and idx[0, 0] == 0 and
-                                       (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all())
-        return idx
+        got = (idx, bool((idx[:, 0] != EMPTY).all() and idx[0, 0] == 0 and (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all()))
+        self._tables[layout.key] = got
+        return got
 
     def prefetch_indexes(self, layouts: list[ArrayLayout], in_flight: int) -> None:
         """Zarr shard indexes not read yet, fetched together: one suffix-range request each (the
         file's size is not needed), up to `in_flight` at a time. Only on an async filesystem; elsewhere
         index() reads each when first used."""
-        todo = list({lay.key: lay for lay in layouts if lay.table is None and lay.key not in self._index}.values())
+        todo = list({lay.key: lay for lay in layouts if lay.table is None and lay.key not in self._tables}.values())
         if len(todo) < 2 or not self.files.remote or not self.files.async_reads:
             return
         raws = self.files.read_ranges([(lay.key, -(16 * lay.n_chunks + 4), None) for lay in todo], in_flight)
@@ -122,12 +132,11 @@ class ShardReader:
         if stop <= start:
             return out
         c0, c1 = start // layout.chunk_rows, (stop - 1) // layout.chunk_rows
-        idx = self.index(layout)
+        idx, dense = self._table(layout)
         offs, sizes = idx[c0:c1 + 1, 0], idx[c0:c1 + 1, 1]
         if (not layout.blosc and not self.files.remote and out.flags.c_contiguous and layout.dtype.isnative
                 and not (self.verify and layout.checksum == "fletcher32"
                          and (self.strict or layout.crcs is None))):
-            dense = self._dense[layout.name if layout.table is not None else layout.key]
             gaps = None
             if not dense and layout.table is not None:  # HDF5 puts a few KB of metadata after a chunk or two
                 gaps = offs[1:].astype(np.int64) - (offs[:-1] + sizes[:-1]).astype(np.int64)
