@@ -42,6 +42,12 @@ Each section is one function registered with `@section`; `--only` runs a subset.
              --stage-accum, each with its log-log slope (0 = flat).
   dvc        `dvc add` / `dvc status` / `dvc push` (to moto) time vs files in a store, extrapolated
              to the reference cache's file counts: benchmarks/scale_dvc.py.
+  reader_rss loader RSS (the process and its DataLoader workers) vs parts read, over one epoch of a
+             store of --reader-parts parts (Zarr and HDF5), with 0 and 2 workers, and the slope in MB
+             per 1,000 parts: what a reading process keeps of the parts it touched (shard indexes,
+             chunk tables, layouts) is bounded, so the slope is ~0 once the bounds are reached.
+             Parts are small but have many chunks (chunk_tokens 1), so their tables weigh what a
+             reference-size part's do relative to its data. With --code, side by side.
 The delegated sections run as their own scripts (their options: `--help` of each).
 """
 from __future__ import annotations
@@ -358,6 +364,80 @@ def split_rss(args) -> None:
           ["mode", "rows", "MB above baseline", "vs smallest", "wall s"], out)
 
 
+# ---- reader_rss ----------------------------------------------------------------------------------
+def reader_store(url: str, kind: str, parts: int, tokens: int = 1024) -> None:
+    """A store of `parts` parts of `tokens` tokens each (16 samples), hidden width 16, one chunk per token."""
+    import numpy as np
+
+    from deepspec.cache.part_data import PartData
+    from deepspec.cache.writer import CacheWriter
+
+    manifest = {"target": {"id": "reader-rss", "hidden_size": 16, "architecture": "synthetic"}, "layers": [0, 1],
+                "dtype": "bfloat16", "codec": "none", "max_length": tokens, "chunk_tokens": 1, "hidden_size": 16,
+                "storage": kind}
+    rng = np.random.default_rng(0)
+    with CacheWriter(url, manifest) as writer:
+        for k in range(parts):
+            lengths = np.full(16, tokens // 16, dtype=np.int64)
+            hidden = {layer: (rng.integers(0, 2**16, size=(tokens, 16), dtype=np.uint16), None) for layer in (0, 1, "last")}
+            writer.submit(PartData(None, np.arange(16, dtype=np.uint64) + 16 * k, lengths,
+                                   rng.integers(0, 1000, size=tokens).astype(np.int32), np.ones(tokens, np.uint8), hidden))
+
+
+def reader_child(spec: dict) -> None:
+    """One epoch over the store in part order; prints RSS (this process + its workers) at checkpoints."""
+    import psutil
+    import torch
+    from torch.utils.data import DataLoader
+
+    from deepspec.loader.dataset import TargetCacheDataset
+
+    torch.set_num_threads(1)
+    ds = TargetCacheDataset(spec["url"])
+    parts_of = ds.reader.part_start
+    me = psutil.Process()
+
+    def rss_mb() -> float:
+        return sum(p.memory_info().rss for p in [me, *me.children(recursive=True)]) / 2**20
+
+    loader = DataLoader(ds, batch_size=16, num_workers=spec["workers"], collate_fn=list,
+                        persistent_workers=False, prefetch_factor=2 if spec["workers"] else None)
+    marks, out, seen = set(spec["marks"]), [], 0
+    for batch in loader:
+        seen += len(batch)
+        parts = int((parts_of <= seen - 1).sum())
+        if parts in marks:
+            marks.discard(parts)
+            out.append([parts, round(rss_mb(), 1)])
+    print(json.dumps(out))
+
+
+@section
+def reader_rss(args) -> None:
+    codes = [("this", REPO)] + ([("--code", Path(args.code).resolve())] if args.code else [])
+    n = args.reader_parts
+    marks = sorted({max(1, n // 20), n // 4, n // 2, 3 * n // 4, n})
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="reader-rss-") as tmp:
+        for label, code in codes:
+            for kind in ("zarr", "hdf5"):
+                url = str(Path(tmp) / f"{label}-{kind}")
+                t0 = time.time()
+                env = dict(os.environ, PYTHONPATH=str(code))
+                subprocess.run([sys.executable, "-c", "import sys, json; sys.path.insert(0, sys.argv[1]); "
+                                "from benchmarks.scale import reader_store; reader_store(*json.loads(sys.argv[2]))",
+                                str(REPO), json.dumps([url, kind, n])], env=env, check=True, cwd=REPO)
+                print(f"  {label} {kind}: {n} parts written in {time.time() - t0:.0f} s", file=sys.stderr)
+                for workers in (0, 2):
+                    got = run_child("--reader-child", {"url": url, "workers": workers, "marks": marks}, code, tmp,
+                                    "reader_rss")
+                    (p0, r0), (p1, r1) = got[1], got[-1]  # from a quarter of the epoch (past warm-up) to its end
+                    slope = (r1 - r0) / max(p1 - p0, 1) * 1000
+                    rows.append([label, kind, workers, " ".join(f"{p}:{r:.0f}" for p, r in got), f"{slope:.1f}"])
+    table("reader_rss: loader RSS (MB, process + workers) vs parts read in one epoch",
+          ["code", "store", "workers", "parts read: RSS MB", "MB per 1,000 parts"], rows)
+
+
 # ---- train ---------------------------------------------------------------------------------------
 def run_child(flag: str, spec: dict, code: Path, cwd, what: str) -> dict:
     """This script's `flag` child in a fresh process importing `code`; its last stdout line as JSON."""
@@ -581,7 +661,9 @@ def main() -> None:
     ap.add_argument("--stage-accum", default="1,8,64", help="stages: grad_accum values of the train row")
     ap.add_argument("--train-batch", type=int, default=1, help="train_accum_rss: train.batch_size")
     ap.add_argument("--train-tokens", type=int, default=1024, help="train_accum_rss: tokens per sample")
+    ap.add_argument("--reader-parts", type=int, default=2000, help="reader_rss: parts of the store read")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--reader-child", help=argparse.SUPPRESS)
     ap.add_argument("--train-init-child", help=argparse.SUPPRESS)
     ap.add_argument("--train-accum-child", help=argparse.SUPPRESS)
     ap.add_argument("--regen-child", help=argparse.SUPPRESS)
@@ -592,6 +674,9 @@ def main() -> None:
         return
     if args.child:
         cache_child(json.loads(args.child))
+        return
+    if args.reader_child:
+        reader_child(json.loads(args.reader_child))
         return
     if args.regen_child:
         regen_child(json.loads(args.regen_child))
