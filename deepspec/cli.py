@@ -29,6 +29,13 @@ def main(argv: list[str] | None = None) -> int:
         p = cmds.add_parser(name, help=text)
         p.add_argument("url", help="s3://bucket/lake" if name == "ls" else "store path or s3://bucket/path")
         p.add_argument("--storage-options", help="JSON dict passed to fsspec (e.g. endpoint_url)")
+    gc = cmds.add_parser("gc", help="the parts of a store no kept manifest lists (dry run; --delete removes them)")
+    gc.add_argument("url", help="store path or s3://bucket/path")
+    gc.add_argument("--keep", nargs="*", default=[], metavar="MANIFEST",
+                    help="manifests whose parts stay (e.g. data/cache/manifest.json of each workspace); the "
+                         "store's own root is always kept")
+    gc.add_argument("--delete", action="store_true", help="delete them (under the store's lease)")
+    gc.add_argument("--storage-options", help="JSON dict passed to fsspec (e.g. endpoint_url)")
     est = cmds.add_parser("estimate", help="bytes/token and total size for a target shape")
     est.add_argument("--hidden-size", type=int, required=True)
     est.add_argument("--layers", type=_parse_layers, required=True, help="e.g. 1,9,17,25,33")
@@ -104,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             out = verify.info(args.url, _storage_options(args.storage_options))
         elif args.cmd == "verify":
             out = verify.verify(args.url, _storage_options(args.storage_options))
+        elif args.cmd == "gc":
+            from deepspec.cache.gc import collect
+
+            out = collect(args.url, args.keep, _storage_options(args.storage_options), args.delete)
         elif args.cmd == "ls":
             from deepspec.cache.store import list_stores
 

@@ -81,8 +81,14 @@ def verify(url: str, storage_options: dict | None = None) -> dict:
                     raise type(e)(f"{url}: {e}") from None
                 chunks += -(-(stop - start) // step)
                 reads += 1
+    # committed parts the manifest does not list: an earlier input's, kept on S3 for other workspaces'
+    # manifests (docs/cache-format.md §7); not damage, but space that `deepspec cache gc` can reclaim
+    unlisted = sorted(set(store.committed_parts()) - set(reader.parts))
     return {"url": url, "parts": len(reader.parts), "samples": len(reader), "chunks_checked": chunks,
-            "array_reads": reads, "storage": reader.storage, "ok": True}
+            "array_reads": reads, "storage": reader.storage, "unlisted_parts": len(unlisted),
+            **({"unlisted_example": unlisted[:5], "unlisted_hint": "deepspec cache gc URL --keep MANIFEST... "
+                "lists (and with --delete removes) the parts no kept manifest lists"} if unlisted else {}),
+            "ok": True}
 
 
 def info(url: str, storage_options: dict | None = None) -> dict:
