@@ -29,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         p = cmds.add_parser(name, help=text)
         p.add_argument("url", help="s3://bucket/lake" if name == "ls" else "store path or s3://bucket/path")
         p.add_argument("--storage-options", help="JSON dict passed to fsspec (e.g. endpoint_url)")
+        if name == "verify":
+            p.add_argument("--recompute", type=int, default=0, metavar="N",
+                           help="also run the target on N random samples and compare every cached layer")
+            p.add_argument("--target", help="the target model directory (with --recompute)")
     gc = cmds.add_parser("gc", help="the parts of a store no kept manifest lists (dry run; --delete removes them)")
     gc.add_argument("url", help="store path or s3://bucket/path")
     gc.add_argument("--keep", nargs="*", default=[], metavar="MANIFEST",
@@ -111,6 +115,14 @@ def main(argv: list[str] | None = None) -> int:
             out = verify.info(args.url, _storage_options(args.storage_options))
         elif args.cmd == "verify":
             out = verify.verify(args.url, _storage_options(args.storage_options))
+            if args.recompute:
+                if not args.target:
+                    raise CacheFormatError("--recompute needs --target DIR (the target model directory)")
+                out["recompute"] = verify.recompute(args.url, args.target, args.recompute,
+                                                    _storage_options(args.storage_options))
+                if not out["recompute"]["ok"]:
+                    print(json.dumps(out, indent=2))
+                    return 1
         elif args.cmd == "gc":
             from deepspec.cache.gc import collect
 

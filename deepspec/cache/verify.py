@@ -6,7 +6,7 @@ import os
 import numpy as np
 from crc32c import crc32c
 
-from deepspec.cache.format import CacheFormatError, bytes_per_token, hidden_name, sample_keys, scale_name
+from deepspec.cache.format import CacheFormatError, bytes_per_token, decode_hidden, hidden_name, sample_keys, scale_name
 from deepspec.cache.reader import CacheReader
 
 
@@ -129,3 +129,55 @@ def disk_usage(url: str, storage_options: dict | None = None) -> tuple[int, int]
             total += os.path.getsize(os.path.join(dirpath, n))
             files += 1
     return total, files
+
+
+# what a recomputed state may differ by, relative to the largest magnitude of the sample's layer: the
+# store's states come from padded batches (and maybe another GPU or torch), so bits differ in their
+# last places; a state of another sample, layer or target differs by about 1
+RECOMPUTE_TOLERANCE = {"bfloat16": 0.02, "fp8": 0.1}
+
+
+def recompute(url: str, target_dir: str, samples: int, storage_options: dict | None = None, seed: int = 0,
+              device=None) -> dict:
+    """`deepspec cache verify --recompute N URL --target DIR`: run the target on `samples` random samples
+    of the store, one at a time, and compare every cached layer with what it computes. Checksums prove
+    bytes are the ones written; this proves they are the target's states for those tokens (a store
+    written by someone else, a pulled cache). The store's target identity must be the target's."""
+    import torch
+
+    from deepspec.cache.manifest import manifest_mismatch
+    from deepspec.devices import local_device
+    from deepspec.models.capture import forward_capture
+    from deepspec.models.target import TargetError, load_causal_lm, load_identity
+
+    reader = CacheReader(url, storage_options, verify=True)
+    m = reader.manifest
+    try:
+        ident = load_identity(target_dir)
+    except TargetError as e:
+        raise CacheFormatError(f"--target: {e}") from None
+    why = manifest_mismatch({"target": m.target}, {"target": ident})
+    if why:
+        raise CacheFormatError(f"{url}: computed with another target than {target_dir} ({why})")
+    device = device or local_device()
+    compute = m.extra.get("compute")
+    model = load_causal_lm(target_dir, device, compute if isinstance(compute, dict) and "dtype" in compute else None)
+    tolerance = RECOMPUTE_TOLERANCE[m.dtype]
+    picks = np.random.default_rng(seed).choice(len(reader), size=min(samples, len(reader)), replace=False)
+    worst, bad = 0.0, []
+    for index in sorted(int(i) for i in picks):
+        stored = reader.read(index)
+        ids = torch.as_tensor(stored["input_ids"].astype(np.int64), device="cpu")[None].to(device)
+        with torch.no_grad():
+            captured, last = forward_capture(model, ids, torch.ones_like(ids), reader.layers)
+        for layer in [*reader.layers, "last"]:
+            want = (last if layer == "last" else captured[layer])[0].float().cpu()
+            got = decode_hidden(*stored[layer], m.dtype).float()
+            err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+            worst = max(worst, err)
+            if not err <= tolerance:
+                bad.append({"sample": index, "sample_id": f"{reader.sample_id(index):016x}", "layer": layer,
+                            "relative_error": round(err, 4)})
+    return {"url": url, "target": str(target_dir), "samples_recomputed": len(picks), "layers": reader.layers,
+            "max_relative_error": round(worst, 5), "tolerance": tolerance, "mismatches": bad[:20],
+            "mismatched": len(bad), "ok": not bad}
