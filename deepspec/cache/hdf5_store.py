@@ -44,7 +44,7 @@ class HDF5Store(CacheStore):
         # parsed chunk tables, per part (numpy arrays, not the JSON's lists), bounded: least recently used out
         self.tables = BoundedCache(self.TABLE_BYTES)
 
-    TABLE_BYTES = 64 << 20
+    TABLE_BYTES = 16 << 20
 
     def __getstate__(self):
         return dict(self.__dict__, _fs=None, tables=BoundedCache(self.TABLE_BYTES), last_listing=None)

@@ -162,7 +162,7 @@ class CacheReader:
         e, m = self.entries[part], self.manifest
         return array_shape(name, e.samples, e.tokens, m.hidden_size, m.dtype)
 
-    LAYOUT_BYTES = 64 << 20
+    LAYOUT_BYTES = 16 << 20
 
     def _layout(self, part: int, name: str) -> ArrayLayout | None:
         _, store, _, _, layouts = self._process_state()

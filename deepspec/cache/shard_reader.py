@@ -56,7 +56,9 @@ class ShardReader:
         # order); bounded, least recently used out (bounded.py): a process reads a whole store per epoch
         self._tables = BoundedCache(self.TABLE_BYTES)
 
-    TABLE_BYTES = 64 << 20  # chunk indexes kept per process (a reference-size part's array: ~256 KB)
+    # chunk indexes kept per process (a reference-size part's array: ~256 KB). A sampler that draws from
+    # thousands of parts misses whatever the bound; a larger one only helps reads that stay in a part
+    TABLE_BYTES = 16 << 20
 
     def index(self, layout: ArrayLayout) -> np.ndarray:
         return self._table(layout)[0]
