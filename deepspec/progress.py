@@ -35,6 +35,14 @@ def interactive(stream=None) -> bool:
     return hasattr(stream, "isatty") and stream.isatty()
 
 
+class _Bar(tqdm):
+    """tqdm whose set_postfix does not redraw by itself: the next update() shows it, at the bar's
+    interval (tqdm's default redraws on every call, a log line per training step)."""
+
+    def set_postfix(self, ordered_dict=None, refresh=False, **kwargs):
+        super().set_postfix(ordered_dict, refresh=refresh, **kwargs)
+
+
 def progress(iterable=None, **kwargs) -> tqdm:
     """tqdm(iterable, **kwargs), line by line every LOG_INTERVAL_S seconds when stderr is not a terminal."""
     if interactive(kwargs.get("file")):
@@ -46,7 +54,7 @@ def progress(iterable=None, **kwargs) -> tqdm:
         kwargs.pop("dynamic_ncols", None)
         kwargs.setdefault("ncols", 100)
         kwargs.setdefault("ascii", True)
-    return tqdm(iterable, **kwargs)
+    return _Bar(iterable, **kwargs)
 
 
 def quiet_library_bars() -> None:

@@ -31,3 +31,13 @@ def test_a_terminal_keeps_tqdms_redraws():
     for _ in progress(range(3), desc="x", file=tty, mininterval=0):
         pass
     assert "\r" in tty.getvalue()
+
+
+def test_a_postfix_set_every_step_does_not_add_a_line_per_step():
+    log = io.StringIO()
+    with progress(total=1000, desc="train", file=log) as bar:
+        for step in range(1000):
+            bar.set_postfix(loss=f"{1 / (step + 1):.3f}")
+            bar.update(1)
+    lines = log.getvalue().splitlines()
+    assert 1 <= len(lines) <= 2 and "loss=0.001" in lines[-1]
