@@ -29,7 +29,8 @@ def sha256_file(path: str | Path, bufsize: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def fsync_dir(path: str | Path) -> None:
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes the entries created in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -38,18 +39,23 @@ def fsync_dir(path: str | Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_open(path: str | Path, mode: str = "w", encoding: str | None = "utf-8"):
-    """Write to a temp file beside `path`, fsync, then rename: readers see old or new, never half."""
+def atomic_open(path: str | Path, mode: str = "w", encoding: str | None = "utf-8", temp: str | Path | None = None):
+    """Write to a temp file beside `path` (`temp`, else a fresh hidden name), fsync, then rename and
+    fsync the directory: readers, and a power loss, see the old or the new file, never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    if temp is None:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    else:
+        tmp = str(temp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

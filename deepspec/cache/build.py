@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from deepspec.cache.format import CacheFormatError, bytes_per_token, encode_hidden_on_device, part_name
-from deepspec.cache.plan import part_ranges, store_order
+from deepspec.cache.plan import pack_ranges, part_ranges, store_order
 from deepspec.cache.lease import new_run_id
 from deepspec.cache.store import check_lake, is_remote, store_url
 from deepspec.cache.part_data import PartData
@@ -53,17 +53,8 @@ def plan_store(index: RowIndex, part_tokens: int) -> list[tuple[str, np.ndarray]
 def length_batches(samples: list[Sample], batch_tokens: int) -> list[list[int]]:
     """Consecutive runs of `samples` (a part's samples come longest first, plan_parts) such that
     batch size x longest length stays within batch_tokens."""
-    batches, current, longest = [], [], 0
-    for i, s in enumerate(samples):
-        n = len(s.input_ids)
-        if current and max(longest, n) * (len(current) + 1) > batch_tokens:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, n)
-    if current:
-        batches.append(current)
-    return batches
+    ranges = pack_ranges([len(s.input_ids) for s in samples], batch_tokens, padded=True)
+    return [list(range(a, b)) for a, b in ranges]
 
 
 def padded(samples: list[Sample], batch: list[int], pad_id: int, pin: bool = False):

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from deepspec.cache.derive_source import Source, links_only
 from deepspec.cache.format import FORMAT, FORMAT_VERSION, READ_VERSIONS, CacheFormatError, bytes_per_token, part_name
 from deepspec.cache.manifest import manifest_mismatch
-from deepspec.cache.store import fsync_path, is_remote, list_stores, local_path, store_key
+from deepspec.cache.store import is_remote, list_stores, local_path, store_key
+from deepspec.io import fsync_path
 from deepspec.cache.stores import open_cache
 from deepspec.cache.writer import CacheWriter
 

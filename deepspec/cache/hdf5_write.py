@@ -18,8 +18,9 @@ from deepspec.cache.hdf5_h5py import INDEX_DATASET
 from deepspec.cache.hdf5_part import write_part_file
 from deepspec.cache.hdf5_store import INDEX_DIR, INDEX_FILE, MANIFEST_NAME, SUFFIX, HDF5Store
 from deepspec.cache.manifest import Manifest, PartEntry
-from deepspec.cache.store import (PartConflict, durable_replace, fenced_read, fenced_replace, fsync_path, local_path,
+from deepspec.cache.store import (PartConflict, durable_replace, fenced_read, fenced_replace, local_path,
                                   refused_as_existing)
+from deepspec.io import fsync_path
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from deepspec.cache.format import CacheFormatError
-from deepspec.cache.store import is_remote, local_path, storage_options_for
+from deepspec.cache.store import is_remote, local_path, refused_as_existing, storage_options_for
 
 log = logging.getLogger(__name__)
 
@@ -327,10 +327,7 @@ class S3Lease(Lease):
 
     @staticmethod
     def _precondition(e: Exception) -> bool:
-        if isinstance(e, FileExistsError):  # s3fs's name for a failed If-None-Match
-            return True
-        code = getattr(e.__cause__, "response", {}).get("Error", {}).get("Code")
-        return code in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409")
+        return refused_as_existing(e)
 
     # ---- holder ----
     def acquire(self) -> "S3Lease":

@@ -54,15 +54,19 @@ def store_order(rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return rows[np.lexsort((rows, -np.asarray(lengths)[rows]))]
 
 
-def pack_ranges(lengths: np.ndarray, budget: int) -> list[tuple[int, int]]:
-    """Ranges [a, b) packed greedily in order up to `budget` tokens each (a longer sample gets a
-    range of its own): batching for work that does not decide a part's composition."""
-    parts, start, tokens = [], 0, 0
+def pack_ranges(lengths, budget: int, padded: bool = False) -> list[tuple[int, int]]:
+    """Consecutive ranges [a, b) of `lengths`, packed greedily in order within `budget` tokens each
+    (a longer sample gets a range of its own). A range costs the sum of its lengths, or with `padded`
+    its longest length x its count: what a right-padded batch of those samples costs (the cache
+    stage's forward batches, the loader's token-budget batches). The one packer of the package."""
+    out, start, tokens, longest = [], 0, 0, 0
     for k, n in enumerate(np.asarray(lengths).tolist()):
-        if k > start and tokens + n > budget:
-            parts.append((start, k))
-            start, tokens = k, 0
+        cost = max(longest, n) * (k - start + 1) if padded else tokens + n
+        if k > start and cost > budget:
+            out.append((start, k))
+            start, tokens, longest = k, 0, 0
         tokens += n
+        longest = max(longest, n)
     if len(lengths) > start:
-        parts.append((start, len(lengths)))
-    return parts
+        out.append((start, len(lengths)))
+    return out

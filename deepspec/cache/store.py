@@ -13,6 +13,7 @@ import zarr
 from zarr.storage import FsspecStore, LocalStore
 
 from deepspec.cache.format import CONTENT_KEYS, FORMAT, FORMAT_VERSION, READ_VERSIONS, CacheFormatError
+from deepspec.io import atomic_open, fsync_path
 
 
 def is_remote(url: str) -> bool:
@@ -30,15 +31,6 @@ def storage_options_for(url: str, options: dict[str, Any] | None = None) -> dict
         if endpoint and "endpoint_url" not in opts and "endpoint_url" not in opts.get("client_kwargs", {}):
             opts["endpoint_url"] = endpoint
     return opts
-
-
-def fsync_path(path: str | Path) -> None:
-    """fsync a file or a directory (a directory's fsync makes the entries created in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 _FSYNC_POOL = None
@@ -63,17 +55,10 @@ def fsync_tree(path: Path) -> None:
 
 
 def durable_replace(path: Path, data) -> None:
-    tmp = path.with_suffix(f".{uuid.uuid4().hex}.partial")  # zarr's own temp-file naming
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_path(path.parent)
+    """io.atomic_open with zarr's own temp-file naming (`<name>.<32 hex>.partial`), which a writer
+    opening the store recognises as debris."""
+    with atomic_open(path, "wb", temp=path.with_suffix(f".{uuid.uuid4().hex}.partial")) as f:
+        f.write(data)
 
 
 class DurableLocalStore(LocalStore):
@@ -99,11 +84,17 @@ class PartConflict(CacheFormatError):
     pass
 
 
-def refused_as_existing(e: OSError) -> bool:
-    """An S3 create-only write (`If-None-Match: *`: PUT, copy, or a multipart upload's completion)
-    refused because the object exists: s3fs raises FileExistsError or carries the 412 response."""
+# S3's answers to a conditional write whose condition failed: 412 (If-None-Match on an object that
+# exists, If-Match on another ETag), and 409 ConditionalRequestConflict (another conditional write to
+# the key was in flight). The one list every conditional write here consults.
+PRECONDITION_CODES = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
+
+
+def refused_as_existing(e: BaseException) -> bool:
+    """An S3 conditional write (`If-None-Match: *` on a PUT, a copy or a multipart upload's completion,
+    or `If-Match`) refused by its condition: s3fs raises FileExistsError or carries the response."""
     code = getattr(e.__cause__, "response", {}).get("Error", {}).get("Code")
-    return isinstance(e, FileExistsError) or code in ("PreconditionFailed", "412")
+    return isinstance(e, FileExistsError) or code in PRECONDITION_CODES
 
 
 ROOT_KEYS = ("zarr.json", "manifest.json")  # a store's root manifest: Zarr's root group, HDF5's manifest
@@ -132,9 +123,7 @@ async def fenced_replace(fs, path: str, data: bytes, etag: str) -> str:
     try:
         out = await fs._call_s3("put_object", Bucket=bucket, Key=key, Body=data, **cond)
     except OSError as e:
-        code = getattr(e.__cause__, "response", {}).get("Error", {}).get("Code")
-        if isinstance(e, (FileExistsError, FileNotFoundError)) or code in ("PreconditionFailed", "412", "409",
-                                                                            "ConditionalRequestConflict"):
+        if isinstance(e, FileNotFoundError) or refused_as_existing(e):
             raise PartConflict(f"s3://{path}: the store's root manifest was replaced by another writer since this "
                                "writer read it; not overwriting it (was this writer's lease taken over?)") from None
         raise

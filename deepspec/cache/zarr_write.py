@@ -14,8 +14,9 @@ from crc32c import crc32c
 from deepspec.cache.backend import ArraySpec, WritableStore
 from deepspec.cache.format import FORMAT, INDEX_COLUMNS, CacheFormatError, index_name, inner_codecs
 from deepspec.cache.manifest import Manifest, PartEntry
-from deepspec.cache.store import (PartConflict, fsync_path, fsync_tree, local_path, open_store,
-                                  refused_as_existing, storage_options_for)
+from deepspec.cache.store import (PartConflict, fsync_tree, local_path, open_store, refused_as_existing,
+                                  storage_options_for)
+from deepspec.io import fsync_path
 from deepspec.cache.zarr_layout import part_damage
 from deepspec.cache.zarr_shard import ShardAppender, encode_shard
 from deepspec.cache.zarr_store import INDEX_ARRAY, ZarrStore

@@ -22,7 +22,7 @@ from deepspec.config import SplitConfig
 from deepspec.data.conversation import (RowRejected, conversation_id, normalize_conversation,
                                         normalize_prompt, system_prompt, user_turns)
 from deepspec.data.sources import TruncatedSource, iter_source
-from deepspec.io import IdIndex, fsync_dir, hash_unit, write_json
+from deepspec.io import IdIndex, fsync_path, hash_unit, write_json
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ def run_split(cfg: SplitConfig, out_dir: str | Path = "data/split") -> dict:
         out.mkdir(exist_ok=True)
         for kind in OUTPUTS:
             os.replace(Path(tmp) / f"{kind}.jsonl", out / f"{kind}.jsonl")
-        fsync_dir(out)
+        fsync_path(out)
     report = summary.report(cfg.source)
     write_json(out / "report.json", report)
     return report

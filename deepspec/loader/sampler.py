@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from deepspec.cache.plan import pack_ranges
+
 
 class ResumableBatchSampler(Sampler[list[int]]):
     def __init__(self, lengths, batch_size: int = 1, token_budget: int | None = None, seed: int = 0,
@@ -55,17 +57,7 @@ class ResumableBatchSampler(Sampler[list[int]]):
                 chunk = order[w:w + window]
                 if self.group_by_length:
                     chunk = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
-                current: list[int] = []
-                longest = 0
-                for i in chunk.tolist():
-                    longest_if = max(longest, int(self.lengths[i]))
-                    if current and longest_if * (len(current) + 1) > self.token_budget:
-                        batches.append(current)
-                        current, longest_if = [], int(self.lengths[i])
-                    current.append(i)
-                    longest = longest_if
-                if current:
-                    batches.append(current)
+                batches += [chunk[a:b].tolist() for a, b in pack_ranges(self.lengths[chunk], self.token_budget, padded=True)]
             if self.group_by_length:  # keep the length grouping, not the length order
                 g = torch.Generator(device="cpu").manual_seed(self.seed * 7_919 + epoch)
                 batches = [batches[i] for i in torch.randperm(len(batches), generator=g, device="cpu").tolist()]
