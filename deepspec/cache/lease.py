@@ -397,7 +397,7 @@ class S3Lease(Lease):
             raise LeaseError(f"{self.url}: another job is writing this cache: {describe(holder)} (it won the race "
                              "for the lease)")
 
-    def _renew(self) -> None:
+    def renew(self) -> None:
         """One renewal; on a failed If-Match the lease is marked lost, naming the new holder."""
         with self._lock:
             if self.lost or self.etag is None:
@@ -418,7 +418,7 @@ class S3Lease(Lease):
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl / 3):
             try:
-                self._renew()
+                self.renew()
             except Exception as e:  # noqa: BLE001 - a network error: retried; check() enforces the ttl
                 log.warning("%s: could not renew the lease (%s); retrying", self.url, e)
             if self.lost:
@@ -436,7 +436,7 @@ class S3Lease(Lease):
         if self.etag is None:
             raise LeaseError(f"{self.url}: this writer released its lease")
         if not self.lost and time.monotonic() - self.last_ok > self.ttl / 2:
-            self._renew()  # the renewal thread fell behind (a paused process): find out now
+            self.renew()  # the renewal thread fell behind (a paused process): find out now
         if self.lost:
             raise LeaseError(f"{self.url}: lease lost to {self.lost}; not committing over its parts")
         if time.monotonic() - self.last_ok > self.ttl:

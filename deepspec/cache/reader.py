@@ -232,6 +232,16 @@ class CacheReader:
             out[key] = (values[hidden_name(layer)], values.get(scale_name(layer)))
         return out
 
+    def memory(self) -> dict:
+        """What this process keeps of the parts it has touched (cache/bounded.py), per cache: bytes,
+        entries, evictions and the bound."""
+        _, store, _, shards, layouts = self._process_state()
+        caches = {"layouts": layouts, "shard_indexes": shards.tables}
+        if isinstance(getattr(store, "tables", None), BoundedCache):
+            caches["hdf5_chunk_tables"] = store.tables
+        return {name: {"bytes": c.bytes, "entries": len(c), "evictions": c.evictions, "max_bytes": c.max_bytes}
+                for name, c in caches.items()}
+
     def set_check_threads(self, n: int) -> None:
         """Threads checking crc32c of local reads from now on (0: in the reading thread)."""
         self.check_threads = n

@@ -54,7 +54,7 @@ class ShardReader:
         self.strict = strict
         # per array: (chunk index [n_chunks, 2], dense: every chunk present and stored back to back, in
         # order); bounded, least recently used out (bounded.py): a process reads a whole store per epoch
-        self._tables = BoundedCache(self.TABLE_BYTES)
+        self.tables = BoundedCache(self.TABLE_BYTES)
 
     # chunk indexes kept per process (a reference-size part's array: ~256 KB). A sampler that draws from
     # thousands of parts misses whatever the bound; a larger one only helps reads that stay in a part
@@ -64,14 +64,14 @@ class ShardReader:
         return self._table(layout)[0]
 
     def _table(self, layout: ArrayLayout) -> tuple[np.ndarray, bool]:
-        got = self._tables.get(layout.key if layout.table is None else layout.name)
+        got = self.tables.get(layout.key if layout.table is None else layout.name)
         if got is not None:
             return got
         if layout.table is not None:  # recorded when the part committed (HDF5)
             idx = layout.table
             row = layout.chunk_rows * layout.row_bytes + 4
             got = (idx, bool(len(idx) and (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all() and (idx[:, 1] == row).all()))
-            self._tables[layout.name] = got
+            self.tables[layout.name] = got
             return got
         nbytes = 16 * layout.n_chunks + 4
         size = self.files.size(layout.key)
@@ -87,14 +87,14 @@ class ShardReader:
             raise ChecksumError(f"{layout.key}: shard index checksum mismatch")
         idx = np.frombuffer(body, dtype="<u8").reshape(layout.n_chunks, 2)
         got = (idx, bool((idx[:, 0] != EMPTY).all() and idx[0, 0] == 0 and (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all()))
-        self._tables[layout.key] = got
+        self.tables[layout.key] = got
         return got
 
     def prefetch_indexes(self, layouts: list[ArrayLayout], in_flight: int) -> None:
         """Zarr shard indexes not read yet, fetched together: one suffix-range request each (the
         file's size is not needed), up to `in_flight` at a time. Only on an async filesystem; elsewhere
         index() reads each when first used."""
-        todo = list({lay.key: lay for lay in layouts if lay.table is None and lay.key not in self._tables}.values())
+        todo = list({lay.key: lay for lay in layouts if lay.table is None and lay.key not in self.tables}.values())
         if len(todo) < 2 or not self.files.remote or not self.files.async_reads:
             return
         raws = self.files.read_ranges([(lay.key, -(16 * lay.n_chunks + 4), None) for lay in todo], in_flight)

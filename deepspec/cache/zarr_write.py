@@ -157,10 +157,10 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
     # bytes an S3 shard stream buffers before it uploads them as one part of its multipart upload
     UPLOAD_BLOCK = 64 << 20
 
-    def _open_shard(self, key: str):
+    def open_shard(self, key: str):
         """Where a streamed shard's bytes go: its file, created, on a local store; on S3 a create-only
         multipart upload (`If-None-Match: *` on its completion) that sends each UPLOAD_BLOCK as it
-        fills; elsewhere a local spool file, PUT when the shard is finished (_finish_shard)."""
+        fills; elsewhere a local spool file, PUT when the shard is finished (finish_shard)."""
         import tempfile
 
         if not self.remote:
@@ -175,7 +175,7 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
             return self._wfs.open(f"{self._wroot.rstrip('/')}/{key}", "xb", block_size=self.UPLOAD_BLOCK)
         return tempfile.NamedTemporaryFile(prefix="deepspec-shard-")
 
-    def _finish_shard(self, key: str, sink) -> None:
+    def finish_shard(self, key: str, sink) -> None:
         """Make a finished shard durable/visible (a local file is fsynced with its part)."""
         if not self.remote:
             sink.close()
@@ -196,7 +196,7 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
             sink.close()
 
     @staticmethod
-    def _drop_shard(sink) -> None:
+    def drop_shard(sink) -> None:
         """A shard left unfinished: an S3 upload is aborted (nothing becomes visible), a file closed."""
         if getattr(sink, "closed", True):
             return
@@ -223,7 +223,7 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
                 if spec.data is not None:
                     self._put(key, encode_shard(spec.data, chunk_rows, spec.codec))
                     continue
-                sink = self._open_shard(key)
+                sink = self.open_shard(key)
                 streamed.append((spec, key, sink, ShardAppender(sink, spec.shape[0], spec.shape[1:], spec.dtype,
                                                                 chunk_rows, spec.codec)))
             if streamed:
@@ -234,10 +234,10 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
                         shard.append(rows[spec.name])
                 for spec, key, sink, shard in streamed:
                     shard.finish()
-                    self._finish_shard(key, sink)
+                    self.finish_shard(key, sink)
         finally:
             for _, _, sink, _ in streamed:
-                self._drop_shard(sink)
+                self.drop_shard(sink)
         if not self.remote:  # an S3 PUT is durable when it returns; a local file only once fsynced
             path = local_path(self.url)
             fsync_tree(path / "parts" / name)

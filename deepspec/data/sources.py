@@ -128,7 +128,7 @@ def _jsonl_rows(path: Path) -> Iterator[RawRow]:
             yield RawRow(where, obj)
 
 
-def _json_array_rows(path: Path, chunk_chars: int = 1 << 20) -> Iterator[RawRow]:
+def json_array_rows(path: Path, chunk_chars: int = 1 << 20) -> Iterator[RawRow]:
     """The elements of a JSON array file (`[{...}, {...}]`, the form most chat dumps ship in), one at a
     time: the file is read in chunks and only the current element is held as Python objects. A `.json`
     file whose first value is an object is JSON Lines under another name and read as such."""
@@ -288,7 +288,7 @@ def iter_source(spec: str, hf_split: str = "train") -> Iterator[RawRow]:
     if kind == ".jsonl":
         yield from _jsonl_rows(path)
     elif kind == ".json":
-        yield from _json_array_rows(path)
+        yield from json_array_rows(path)
     elif kind == ".parquet" and path.suffix != ".gz":
         yield from _parquet_rows(path)
     else:

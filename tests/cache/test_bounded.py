@@ -34,6 +34,7 @@ def test_a_reader_over_many_parts_keeps_a_bounded_share_of_their_tables(tmp_path
     reader = CacheReader(url)
     for _ in range(2):  # twice: evicted tables are read again, and checked again
         expect_equal(reader, parts)
-    _, store, _, shards, layouts = reader._process_state()
-    for cache in (shards._tables, layouts, *([store.tables] if kind == "hdf5" else [])):
-        assert cache.bytes <= budget and cache.evictions > 0
+    held = reader.memory()
+    assert sorted(held) == sorted(["layouts", "shard_indexes", *(["hdf5_chunk_tables"] if kind == "hdf5" else [])])
+    for cache in held.values():
+        assert cache["bytes"] <= cache["max_bytes"] == budget and cache["evictions"] > 0

@@ -215,7 +215,7 @@ def test_unwritable_url_and_failed_part_leave_no_half_committed_part(tmp_path, t
     # a disk that fills up while the third part is written (no real component does this on demand)
     from deepspec.cache.zarr_write import ZarrStoreWriter
 
-    real = ZarrStoreWriter._open_shard
+    real = ZarrStoreWriter.open_shard
     seen = []
 
     def flaky(self, key):
@@ -226,10 +226,10 @@ def test_unwritable_url_and_failed_part_leave_no_half_committed_part(tmp_path, t
             raise OSError(28, "No space left on device")
         return real(self, key)
 
-    monkeypatch.setattr(ZarrStoreWriter, "_open_shard", flaky)
+    monkeypatch.setattr(ZarrStoreWriter, "open_shard", flaky)
     with pytest.raises(CacheFormatError, match="No space left on device"):
         build(work, part_tokens=200)
-    monkeypatch.setattr(ZarrStoreWriter, "_open_shard", real)
+    monkeypatch.setattr(ZarrStoreWriter, "open_shard", real)
     url = str(work / "data" / "cache.zarr")
     # the root still lists what the last finished run listed (nothing: this is the first run);
     # the two parts written before the failure are committed and kept for the rerun

@@ -218,11 +218,11 @@ def test_an_s3_shard_larger_than_an_upload_block_is_a_create_only_multipart_uplo
     assert etag.strip('"').endswith("-3")  # a multipart upload's ETag: 3 parts of <= 5 MB
 
     store = ZarrStoreWriter(url, moto.storage_options)
-    sink = store._open_shard(key)
+    sink = store.open_shard(key)
     sink.write(b"\0" * (11 << 20))
     with pytest.raises(PartConflict, match="another writer created"):
-        store._finish_shard(key, sink)
-    store._drop_shard(sink)
+        store.finish_shard(key, sink)
+    store.drop_shard(sink)
     fs.invalidate_cache()
     assert fs.info(f"{root}/{key}")["ETag"] == etag
     expect_equal(CacheReader(url, moto.storage_options), [part])
@@ -361,7 +361,7 @@ def test_changed_content_is_refused_or_pruned(where):
 
 def _chunk_of(reader: CacheReader, part: int, array: str, chunk: int) -> tuple[str, int]:
     """(store key, byte offset) of the first byte of a chunk, from the backend's own chunk table."""
-    layout = reader._layout(part, array)
+    layout = reader.array_layout(part, array)
     idx = reader._process_state()[3].index(layout)
     return layout.key, int(idx[chunk, 0])
 

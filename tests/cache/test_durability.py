@@ -23,7 +23,7 @@ def interrupted_build(work: Path, monkeypatch, fail_at: int = 3) -> tuple[str, l
     before it are committed. Returns the store's url and the names of the parts it started."""
     from deepspec.cache.zarr_write import ZarrStoreWriter
 
-    real = ZarrStoreWriter._open_shard
+    real = ZarrStoreWriter.open_shard
     seen: list[str] = []
 
     def failing(self, key):  # the part's hidden shards are opened once its small arrays are written
@@ -34,10 +34,10 @@ def interrupted_build(work: Path, monkeypatch, fail_at: int = 3) -> tuple[str, l
             raise OSError(5, "Input/output error")
         return real(self, key)
 
-    monkeypatch.setattr(ZarrStoreWriter, "_open_shard", failing)
+    monkeypatch.setattr(ZarrStoreWriter, "open_shard", failing)
     with pytest.raises(Exception, match="Input/output error"):
         build(work, part_tokens=200)
-    monkeypatch.setattr(ZarrStoreWriter, "_open_shard", real)
+    monkeypatch.setattr(ZarrStoreWriter, "open_shard", real)
     return str(work / "data" / "cache.zarr"), seen
 
 

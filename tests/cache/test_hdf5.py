@@ -65,7 +65,7 @@ def test_the_recorded_chunk_table_is_hdf5s_own(h5_cache):
     for p, name in enumerate(reader.parts):
         with h5py.File(h5_cache / "parts" / f"{name}.h5", "r") as f:
             for array in part_arrays(reader.layers, reader.dtype):
-                layout = reader._layout(p, array)
+                layout = reader.array_layout(p, array)
                 d = f[array].id
                 own = [d.get_chunk_info(i) for i in range(d.get_num_chunks())]
                 assert [(i.byte_offset, i.size) for i in own] == [tuple(int(v) for v in r) for r in layout.table]

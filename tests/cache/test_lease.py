@@ -233,7 +233,7 @@ def test_a_retried_lease_put_whose_first_attempt_landed_keeps_the_lease(s3_store
 
     monkeypatch.setattr(S3Lease, "_put", put_then_retry)
     w = CacheWriter(url, MANIFEST, so)
-    w.lease._renew()  # the same on a renewal (If-Match on the ETag the first attempt replaced)
+    w.lease.renew()  # the same on a renewal (If-Match on the ETag the first attempt replaced)
     assert w.lease.lost is None
     w.lease.check()
     w.submit(part("p000000", 1))

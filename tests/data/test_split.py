@@ -219,7 +219,7 @@ def test_parquet_and_local_hf_dataset(tmp_path):
 
 
 def test_a_pretty_printed_json_array_splits_like_the_same_rows_as_jsonl(tmp_path):
-    from deepspec.data.sources import _json_array_rows
+    from deepspec.data.sources import json_array_rows
 
     rows = GOOD[:30] + [conv(("human", "caf\u00e9 \u2615"), ("gpt", "ok"))]
     array = tmp_path / "chats.json"
@@ -232,7 +232,7 @@ def test_a_pretty_printed_json_array_splits_like_the_same_rows_as_jsonl(tmp_path
     assert strip(read(tmp_path / "a/train.jsonl")) == strip(read(tmp_path / "b/train.jsonl"))
     assert read(tmp_path / "a/rejected.jsonl")[0]["where"] == f"{array}:element 11"
     # chunk boundaries anywhere (inside strings, numbers, multi-byte characters) read the same
-    every = [r.row for r in _json_array_rows(array, chunk_chars=7)]
+    every = [r.row for r in json_array_rows(array, chunk_chars=7)]
     assert every[:10] + every[11:] == rows and every[10] is None
     # a .json file of JSON lines is read as JSON lines
     lines = tmp_path / "lines.json"
