@@ -20,7 +20,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from deepspec.cache.build import build_cache
+from deepspec.cache.build.stage import build_cache
 from deepspec.config import CacheConfig, EvalConfig, SamplingConfig, TargetConfig, TinyTargetConfig, TrainConfig
 from deepspec.evaluate.run import evaluate
 from deepspec.io import write_jsonl

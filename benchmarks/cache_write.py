@@ -22,14 +22,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from deepspec.cache.build import build_cache, compute_part, load_target
-from deepspec.cache.plan import part_ranges, store_order
-from deepspec.cache.estimate import reference_bytes_per_token
-from deepspec.cache.format import decode_hidden, encode_hidden
-from deepspec.cache.verify import disk_usage
-from deepspec.cache.part_data import PartData
-from deepspec.cache.regen_rows import EncodeRules, encode_rows
-from deepspec.cache.writer import CacheWriter
+from deepspec.cache.build.stage import build_cache, compute_part, load_target
+from deepspec.cache.spec.plan import part_ranges, store_order
+from deepspec.cache.tools.estimate import reference_bytes_per_token
+from deepspec.cache.spec.format import decode_hidden, encode_hidden
+from deepspec.cache.tools.verify import disk_usage
+from deepspec.cache.write.part_data import PartData
+from deepspec.cache.build.regen_rows import EncodeRules, encode_rows
+from deepspec.cache.write.writer import CacheWriter
 from deepspec.config import CacheConfig
 from deepspec.io import read_jsonl
 

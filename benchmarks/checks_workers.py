@@ -14,7 +14,7 @@ num_workers=W)`, the trainer's configuration, for every W of --workers, side by 
 Prints samples/s per (contender, W), best of three interleaved rounds, with the spread of the rounds
 (the noise a difference must beat), and the ratios: checks on / mmap_copy (the goal: >= 0.9) and
 Python helper thread / inline. The same script with a native checker thread as a fifth contender
-decided that checker's removal (deepspec/cache/checks.py says with which numbers).
+decided that checker's removal (deepspec/cache/read/checks.py says with which numbers).
 """
 from __future__ import annotations
 

@@ -140,10 +140,10 @@ def peak_gib(device: torch.device) -> float | None:
 
 def check_cache(work: Path, target: Path, layers: list[int], rows: list[dict], size: dict, device: torch.device) -> dict:
     """build_cache on the device; stored states vs output_hidden_states; capture vs plain forward."""
-    from deepspec.cache.build import build_cache, forward_batches, length_batches, load_target, padded
-    from deepspec.cache.reader import CacheReader
-    from deepspec.cache.format import decode_hidden
-    from deepspec.cache.regen_rows import EncodeRules, encode_rows
+    from deepspec.cache.build.stage import build_cache, forward_batches, length_batches, load_target, padded
+    from deepspec.cache.read.reader import CacheReader
+    from deepspec.cache.spec.format import decode_hidden
+    from deepspec.cache.build.regen_rows import EncodeRules, encode_rows
     from deepspec.config import CacheConfig
 
     regen = work / "regen.jsonl"

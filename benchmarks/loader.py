@@ -52,9 +52,9 @@ import numpy as np
 import torch
 import zarr
 
-from deepspec.cache.reader import CacheReader
-from deepspec.cache.part_data import PartData
-from deepspec.cache.writer import CacheWriter
+from deepspec.cache.read.reader import CacheReader
+from deepspec.cache.write.part_data import PartData
+from deepspec.cache.write.writer import CacheWriter
 from deepspec.loader.dataset import TargetCacheDataset
 
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from deepspec.cache.build import build_cache
+from deepspec.cache.build.stage import build_cache
 from deepspec.config import CacheConfig, EvalConfig, SamplingConfig, SplitConfig, TargetConfig, TinyTargetConfig, TrainConfig
 from deepspec.data.split import split_rows
 from deepspec.evaluate.run import evaluate

@@ -144,7 +144,7 @@ def cache_child(spec: dict) -> None:
 
     import torch
 
-    from deepspec.cache.build import build_cache
+    from deepspec.cache.build.stage import build_cache
     from deepspec.config import CacheConfig
 
     torch.set_num_threads(spec["threads"])
@@ -369,8 +369,8 @@ def reader_store(url: str, kind: str, parts: int, tokens: int = 1024) -> None:
     """A store of `parts` parts of `tokens` tokens each (16 samples), hidden width 16, one chunk per token."""
     import numpy as np
 
-    from deepspec.cache.part_data import PartData
-    from deepspec.cache.writer import CacheWriter
+    from deepspec.cache.write.part_data import PartData
+    from deepspec.cache.write.writer import CacheWriter
 
     manifest = {"target": {"id": "reader-rss", "hidden_size": 16, "architecture": "synthetic"}, "layers": [0, 1],
                 "dtype": "bfloat16", "codec": "none", "max_length": tokens, "chunk_tokens": 1, "hidden_size": 16,
@@ -554,7 +554,7 @@ def accum_sweep(args, accums: list[int], codes: list[tuple[str, Path]]) -> list[
     """(code label, grad_accum, child result) for each code and grad_accum, on one cache."""
     import shutil
 
-    from deepspec.cache.build import build_cache
+    from deepspec.cache.build.stage import build_cache
     from deepspec.config import CacheConfig
 
     out = []

@@ -51,9 +51,9 @@ def worker_write(url: str, parts: int) -> dict:
     """Write `parts` one-sample parts; count the bytes of every store write by key class."""
     import numpy as np
 
-    from deepspec.cache.store import DurableLocalStore
-    from deepspec.cache.part_data import PartData
-    from deepspec.cache.writer import CacheWriter
+    from deepspec.cache.storage.durable import DurableLocalStore
+    from deepspec.cache.write.part_data import PartData
+    from deepspec.cache.write.writer import CacheWriter
 
     counts = {"root": 0, "index": 0, "record": 0, "arrays": 0, "root_writes": 0}
     real = DurableLocalStore._set
@@ -88,7 +88,7 @@ def worker_write(url: str, parts: int) -> dict:
 
 def worker_open(url: str, repeat: int) -> dict:
     """Open the store `repeat` times (fresh reader each time); the best time and the sample count."""
-    from deepspec.cache.reader import CacheReader
+    from deepspec.cache.read.reader import CacheReader
 
     best, n = float("inf"), 0
     for _ in range(repeat):
@@ -145,9 +145,9 @@ def files_per_part(storage: str) -> tuple[int, int]:
     """(files of one part, files at the store root) of a store holding one reference-layer part."""
     import numpy as np
 
-    from deepspec.cache.format import bytes_per_token
-    from deepspec.cache.part_data import PartData
-    from deepspec.cache.writer import CacheWriter
+    from deepspec.cache.spec.format import bytes_per_token
+    from deepspec.cache.write.part_data import PartData
+    from deepspec.cache.write.writer import CacheWriter
 
     h = 8
     m = dict(_manifest(), layers=REF_LAYERS, hidden_size=h, storage=storage,
@@ -165,7 +165,7 @@ def files_per_part(storage: str) -> tuple[int, int]:
 
 
 def files_table() -> None:
-    from deepspec.cache.format import bytes_per_token
+    from deepspec.cache.spec.format import bytes_per_token
 
     bpt = bytes_per_token(REF_H, len(REF_LAYERS), "bfloat16")
     row = REF_H * 2

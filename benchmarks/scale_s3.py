@@ -102,8 +102,8 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from loader import REF_LAYERS, synthetic_flat
 
-    from deepspec.cache.part_data import PartData
-    from deepspec.cache.writer import CacheWriter
+    from deepspec.cache.write.part_data import PartData
+    from deepspec.cache.write.writer import CacheWriter
     from deepspec.data.servers import free_port
     from deepspec.loader.dataset import TargetCacheDataset
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from deepspec.cache.store import built_store_url
+from deepspec.cache.storage.naming import built_store_url
 from deepspec.config import load_params
 from deepspec.loader.collate import collate
 from deepspec.loader.dataset import TargetCacheDataset

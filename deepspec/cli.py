@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from deepspec.cache.format import CacheFormatError
+from deepspec.cache.spec.format import CacheFormatError
 from deepspec.config import CacheConfig
 
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.group == "export":
         return _export(args)
 
-    from deepspec.cache import estimate, reference, verify
+    from deepspec.cache.tools import estimate, reference, verify
 
     try:
         if args.cmd == "info":
@@ -124,11 +124,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps(out, indent=2))
                     return 1
         elif args.cmd == "gc":
-            from deepspec.cache.gc import collect
+            from deepspec.cache.tools.gc import collect
 
             out = collect(args.url, args.keep, _storage_options(args.storage_options), args.delete)
         elif args.cmd == "ls":
-            from deepspec.cache.store import list_stores
+            from deepspec.cache.storage.naming import list_stores
 
             out = list_stores(args.url, _storage_options(args.storage_options))
         elif args.cmd == "import-reference":
@@ -136,12 +136,12 @@ def main(argv: list[str] | None = None) -> int:
                                              args.part_tokens, defaults.shard_bytes,
                                              _storage_options(args.storage_options), args.storage)
         elif args.cmd == "convert":
-            from deepspec.cache.convert import convert
+            from deepspec.cache.tools.convert import convert
 
             out = convert(args.src, args.dst, args.storage, args.codec,
                           storage_options=_storage_options(args.storage_options))
         elif args.cmd == "derive":
-            from deepspec.cache.derive import derive_store
+            from deepspec.cache.build.derive import derive_store
 
             out = derive_store(args.src, args.dst, args.layers, args.dtype, args.codec, args.chunk_tokens,
                                _storage_options(args.storage_options))

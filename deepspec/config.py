@@ -139,7 +139,7 @@ class CacheConfig:
     # the slowest rank before the job fails; raise it for inputs whose share takes a rank longer
     collective_timeout_s: Annotated[Int, Field(ge=10)] = 1800
     # where a store of new content may be derived from instead of running the target
-    # (deepspec.cache.derive): "" = the store at a local url / the lake's other stores; a path or
+    # (deepspec.cache.build.derive): "" = the store at a local url / the lake's other stores; a path or
     # s3:// URL = that store; "none" = always compute
     derive_from: Str = ""
 

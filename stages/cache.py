@@ -1,4 +1,4 @@
-"""DVC stage `cache`: data/regen/train.jsonl + data/target -> the Zarr cache (see deepspec.cache.build).
+"""DVC stage `cache`: data/regen/train.jsonl + data/target -> the Zarr cache (see deepspec.cache.build.stage).
 
 Runs as one process, or under `torchrun --nproc-per-node N stages/cache.py` (each rank writes its
 own parts of a disjoint sample range; rank 0 holds the store's lease, writes the manifest and the
@@ -8,9 +8,9 @@ remote lake (docs/cache-format.md §9); data/cache/manifest.json records its ful
 import json
 from pathlib import Path
 
-from deepspec.cache.build import build_cache
-from deepspec.cache.format import CacheFormatError
-from deepspec.cache.verify import disk_usage
+from deepspec.cache.build.stage import build_cache
+from deepspec.cache.spec.format import CacheFormatError
+from deepspec.cache.tools.verify import disk_usage
 from deepspec.distributed import launch
 from deepspec.io import write_json
 from deepspec.stage import StageError, configure_threads, run_stage

@@ -8,8 +8,8 @@ checkpoints made under other params are set aside, then deleted once this run ha
 import json
 from pathlib import Path
 
-from deepspec.cache.format import CacheFormatError
-from deepspec.cache.store import built_manifest, built_store_url
+from deepspec.cache.spec.format import CacheFormatError
+from deepspec.cache.storage.naming import built_manifest, built_store_url
 from deepspec.distributed import launch
 from deepspec.stage import StageError, configure_threads, run_stage
 from deepspec.train.checkpoint import CheckpointError

@@ -188,7 +188,7 @@ def small_cache(tmp_path_factory, trained_target) -> Path:
     """A cache.zarr (layers -1, 0, 2) of the trained small target over SAMPLE_CONVERSATIONS."""
     import json
 
-    from deepspec.cache.build import build_cache
+    from deepspec.cache.build.stage import build_cache
     from deepspec.config import CacheConfig
 
     root = tmp_path_factory.mktemp("small_cache")

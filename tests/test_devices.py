@@ -175,7 +175,7 @@ def test_the_regen_journal_is_keyed_by_how_the_local_backend_computes():
 def test_host_copies_are_waited_for_on_the_writer_thread_not_the_computing_one():
     """The cache stage hands the writer each batch as soon as its copies are issued; the writer's
     thread waits for them (on CUDA: an event on the copy stream), so the next forward starts at once."""
-    from deepspec.cache.part_data import PartFeed
+    from deepspec.cache.write.part_data import PartFeed
 
     x = torch.arange(12, dtype=torch.float32, device="cpu").view(3, 4)
     batch = HostCopies("cpu").copy({0: (x.to(torch.bfloat16).view(torch.uint16), None)})
@@ -200,7 +200,7 @@ def test_host_copies_are_waited_for_on_the_writer_thread_not_the_computing_one()
 def test_s3_options_leave_the_processes_aws_settings_alone(monkeypatch):
     """Setting AWS_EC2_METADATA_DISABLED for the whole process switched off the instance-profile
     credentials a GPU node on EC2 uses."""
-    from deepspec.cache.store import storage_options_for
+    from deepspec.cache.storage.urls import storage_options_for
 
     monkeypatch.delenv("AWS_EC2_METADATA_DISABLED", raising=False)
     before = dict(os.environ)

@@ -213,7 +213,7 @@ def test_smaller_cache_experiment(pipeline):
 
 def test_a_sampling_experiment_recomputes_the_cache_and_retrains(pipeline, tmp_path):
     # the answers change under the same row ids: the cache must follow them, and train must rerun
-    from deepspec.cache.build import build_cache
+    from deepspec.cache.build.stage import build_cache
     from deepspec.config import load_params
     from tests.cache.test_derive import manifest, store_files
 

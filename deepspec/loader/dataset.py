@@ -12,16 +12,16 @@ Only the requested layers and fields are read. The dataset is picklable and open
 lazily in each DataLoader worker (fork or forkserver). A DataLoader with a batch sampler hands a
 whole batch to `__getitems__`: on S3 the byte ranges of all its arrays are then in flight together
 (`read_ahead` requests, `range_bytes` each at most); locally the crc32c checks run on
-`check_threads` threads alongside the reads (deepspec/cache/shard_reader.py).
+`check_threads` threads alongside the reads (deepspec/cache/read/shards.py).
 """
 from __future__ import annotations
 
 import numpy as np
 from torch.utils.data import Dataset
 
-from deepspec.cache.format import CacheFormatError
-from deepspec.cache.reader import CacheReader
-from deepspec.cache.samples import FIELDS, read_samples
+from deepspec.cache.spec.format import CacheFormatError
+from deepspec.cache.read.reader import CacheReader
+from deepspec.cache.read.samples import FIELDS, read_samples
 
 
 class TargetCacheDataset(Dataset):

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from deepspec.cache.plan import pack_ranges
+from deepspec.cache.spec.plan import pack_ranges
 
 
 class ResumableBatchSampler(Sampler[list[int]]):

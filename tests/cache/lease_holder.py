@@ -20,7 +20,7 @@ def part(name: str, seed: int):
     import numpy as np
     import torch
 
-    from deepspec.cache.part_data import PartData
+    from deepspec.cache.write.part_data import PartData
 
     g = torch.Generator().manual_seed(seed)
     lengths = np.array([5, 7], dtype=np.int64)
@@ -34,9 +34,9 @@ MANIFEST = {"target": {"id": "t", "hidden_size": 8}, "layers": [0], "dtype": "bf
 
 
 def main(spec: dict) -> int:
-    from deepspec.cache.format import CacheFormatError
-    from deepspec.cache.lease import acquire
-    from deepspec.cache.writer import CacheWriter
+    from deepspec.cache.spec.format import CacheFormatError
+    from deepspec.cache.write.lease import acquire
+    from deepspec.cache.write.writer import CacheWriter
 
     if "start_at" in spec:  # start at one wall-clock instant with the other process
         time.sleep(max(0.0, spec["start_at"] - time.time()))

@@ -46,8 +46,8 @@ def golden_parts(dtype: str, named: bool = True):
     """The parts; `named` False leaves the name to the writer (v3: named by content)."""
     import torch
 
-    from deepspec.cache.format import encode_hidden
-    from deepspec.cache.part_data import PartData
+    from deepspec.cache.spec.format import encode_hidden
+    from deepspec.cache.write.part_data import PartData
 
     out = []
     for name, seed, lengths in PARTS:
@@ -60,7 +60,7 @@ def golden_parts(dtype: str, named: bool = True):
 
 
 def manifest(storage: str, dtype: str, codec: str) -> dict:
-    from deepspec.cache.format import bytes_per_token
+    from deepspec.cache.spec.format import bytes_per_token
 
     return {"target": {"id": "0123456789abcdef", "architecture": "Qwen3ForCausalLM", "hidden_size": H,
                        "num_layers": 4, "vocab_size": 50000},
@@ -69,9 +69,9 @@ def manifest(storage: str, dtype: str, codec: str) -> dict:
 
 
 def main() -> None:
-    from deepspec.cache.writer import CacheWriter
+    from deepspec.cache.write.writer import CacheWriter
 
-    from deepspec.cache.format import FORMAT_VERSION
+    from deepspec.cache.spec.format import FORMAT_VERSION
 
     for name, storage, dtype, codec in STORES + STORES_V2 + STORES_V3:
         if VERSION[name] != FORMAT_VERSION:

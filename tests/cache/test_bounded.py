@@ -1,11 +1,11 @@
-"""What a reading process keeps of the parts it touched is bounded (deepspec/cache/bounded.py)."""
+"""What a reading process keeps of the parts it touched is bounded (deepspec/cache/storage/bounded.py)."""
 import numpy as np
 import pytest
 
-from deepspec.cache.bounded import BoundedCache, nbytes
-from deepspec.cache.hdf5_store import HDF5Store
-from deepspec.cache.reader import CacheReader
-from deepspec.cache.shard_reader import ShardReader
+from deepspec.cache.storage.bounded import BoundedCache, nbytes
+from deepspec.cache.backends.hdf5.read import HDF5Store
+from deepspec.cache.read.reader import CacheReader
+from deepspec.cache.read.shards import ShardReader
 from tests.cache.test_conformance import expect_equal, make_part, write
 
 

@@ -7,13 +7,13 @@ import weakref
 from pathlib import Path
 
 import numpy as np
-import deepspec.cache.build as build_mod
-import deepspec.cache.regen_rows as regen_rows_mod
-from deepspec.cache.build import build_cache, plan_store
-from deepspec.cache.regen_rows import RowIndex
-from deepspec.cache.format import part_name
-from deepspec.cache.plan import store_order
-from deepspec.cache.reader import CacheReader
+import deepspec.cache.build.stage as build_mod
+import deepspec.cache.build.regen_rows as regen_rows_mod
+from deepspec.cache.build.stage import build_cache, plan_store
+from deepspec.cache.build.regen_rows import RowIndex
+from deepspec.cache.spec.format import part_name
+from deepspec.cache.spec.plan import store_order
+from deepspec.cache.read.reader import CacheReader
 from deepspec.config import CacheConfig
 from tests.cache.test_cache import LAYERS, array_hashes, build, workdir
 from tests.conftest import SAMPLE_CONVERSATIONS
@@ -97,7 +97,7 @@ def committed(url: str) -> dict[str, int]:
 def test_a_part_stores_its_samples_longest_first_and_is_forwarded_in_that_order():
     """The order the stage's forward batches take (so a part streams to its shards batch by batch):
     longest first, equal lengths in input order; which samples make a part is unchanged."""
-    from deepspec.cache.build import length_batches
+    from deepspec.cache.build.stage import length_batches
 
     lengths = np.array([3, 9, 5, 9, 1, 7, 30])
     assert store_order(np.arange(4), lengths).tolist() == [1, 3, 2, 0]
@@ -168,7 +168,7 @@ def test_the_index_gathered_from_byte_shares_equals_one_pass(tmp_path, trained_t
     import pytest
     from transformers import AutoTokenizer
 
-    from deepspec.cache.regen_rows import EncodeRules, index_regen, index_share, line_ranges, merge_shares
+    from deepspec.cache.build.regen_rows import EncodeRules, index_regen, index_share, line_ranges, merge_shares
     from deepspec.io import JsonlError
 
     tok = AutoTokenizer.from_pretrained(trained_target)

@@ -14,13 +14,13 @@ import pytest
 import torch
 import yaml
 
-from deepspec.cache.build import build_cache, load_target
-from deepspec.cache.checks import ChecksumError
-from deepspec.cache.format import CacheFormatError, decode_hidden, sample_id_to_str
-from deepspec.cache.reader import CacheReader
-from deepspec.cache.regen_rows import EncodeRules, encode_rows
-from deepspec.cache.verify import verify
-from deepspec.cache.writer import CacheWriter
+from deepspec.cache.build.stage import build_cache, load_target
+from deepspec.cache.read.checks import ChecksumError
+from deepspec.cache.spec.format import CacheFormatError, decode_hidden, sample_id_to_str
+from deepspec.cache.read.reader import CacheReader
+from deepspec.cache.build.regen_rows import EncodeRules, encode_rows
+from deepspec.cache.tools.verify import verify
+from deepspec.cache.write.writer import CacheWriter
 from deepspec.config import CacheConfig, ConfigError
 from tests.conftest import REPO, SAMPLE_CONVERSATIONS, clone_project, project_env, run
 
@@ -213,7 +213,7 @@ def test_unwritable_url_and_failed_part_leave_no_half_committed_part(tmp_path, t
         build_cache(CacheConfig(url=str(blocker / "cache.zarr")), LAYERS, work / "data/regen/train.jsonl",
                     work / "data/target")
     # a disk that fills up while the third part is written (no real component does this on demand)
-    from deepspec.cache.zarr_write import ZarrStoreWriter
+    from deepspec.cache.backends.zarr.write import ZarrStoreWriter
 
     real = ZarrStoreWriter.open_shard
     seen = []

@@ -1,4 +1,4 @@
-"""Checksum work on helper threads (deepspec/cache/checks.py) and the reader's run-at-a-time crc32c
+"""Checksum work on helper threads (deepspec/cache/read/checks.py) and the reader's run-at-a-time crc32c
 checks: any corrupt byte of a chunk a read touches is named by its chunk, in every mode."""
 import gc
 import os
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from crc32c import crc32c
 
-import deepspec.cache.checks as checks
-import deepspec.cache.shard_reader as shard_reader_mod
-from deepspec.cache.checks import Checker, ChecksumError, crc32c_concat, first_bad
-from deepspec.cache.reader import CacheReader
+import deepspec.cache.read.checks as checks
+import deepspec.cache.read.shards as shard_reader_mod
+from deepspec.cache.read.checks import Checker, ChecksumError, crc32c_concat, first_bad
+from deepspec.cache.read.reader import CacheReader
 from tests.loader.test_loader import H, synthetic_parts, write_store
 
 

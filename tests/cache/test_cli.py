@@ -1,6 +1,6 @@
 import json
 
-from deepspec.cache.estimate import estimate
+from deepspec.cache.tools.estimate import estimate
 from deepspec.cli import main
 
 

@@ -1,4 +1,4 @@
-"""One conformance suite for every store backend (deepspec.cache.backend.CacheStore), run unchanged
+"""One conformance suite for every store backend (deepspec.cache.backends.base.CacheStore), run unchanged
 against Zarr and HDF5, on local disk and on S3 (moto), the way zarr-python tests its stores.
 
 It states the writer's rules (docs/cache-format.md §7): every array round-trips bit for bit through
@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from deepspec.cache.backend import detect
-from deepspec.cache.checks import ChecksumError
-from deepspec.cache.format import CacheFormatError, hidden_name
-from deepspec.cache.manifest import Manifest, PartEntry
-from deepspec.cache.reader import CacheReader
-from deepspec.cache.verify import verify
-from deepspec.cache.part_data import PartData
-from deepspec.cache.writer import CacheWriter
+from deepspec.cache.backends.base import detect
+from deepspec.cache.read.checks import ChecksumError
+from deepspec.cache.spec.format import CacheFormatError, hidden_name
+from deepspec.cache.spec.manifest import Manifest, PartEntry
+from deepspec.cache.read.reader import CacheReader
+from deepspec.cache.tools.verify import verify
+from deepspec.cache.write.part_data import PartData
+from deepspec.cache.write.writer import CacheWriter
 
 H = 16
 LAYERS = [0, 2]
@@ -39,7 +39,7 @@ def manifest(kind: str, dtype: str = "bfloat16", codec: str = "none", **kw) -> d
 
 def make_part(name: str, seed: int, dtype: str = "bfloat16", samples: int = 3) -> PartData:
     """A deterministic part: lengths 5.., ids from the seed, hidden values with a wide range."""
-    from deepspec.cache.format import encode_hidden
+    from deepspec.cache.spec.format import encode_hidden
 
     rng = np.random.default_rng(seed)
     lengths = rng.integers(3, 11, size=samples).astype(np.int64)
@@ -74,7 +74,7 @@ def files(url: str, options) -> dict[str, str]:
     """Every file/object of a store -> sha256 of its bytes."""
     import fsspec
 
-    from deepspec.cache.store import storage_options_for
+    from deepspec.cache.storage.urls import storage_options_for
 
     fs, root = fsspec.core.url_to_fs(url, **storage_options_for(url, options))
     fs.invalidate_cache()
@@ -195,8 +195,9 @@ def test_an_s3_shard_larger_than_an_upload_block_is_a_create_only_multipart_uplo
     exists is never replaced."""
     import fsspec
 
-    from deepspec.cache.store import PartConflict, storage_options_for
-    from deepspec.cache.zarr_write import ZarrStoreWriter
+    from deepspec.cache.storage.urls import storage_options_for
+    from deepspec.cache.storage.fenced import PartConflict
+    from deepspec.cache.backends.zarr.write import ZarrStoreWriter
 
     monkeypatch.setattr(ZarrStoreWriter, "UPLOAD_BLOCK", 5 << 20)  # S3's smallest part
     bucket = f"conf-{uuid.uuid4().hex[:12]}"
@@ -369,7 +370,7 @@ def _chunk_of(reader: CacheReader, part: int, array: str, chunk: int) -> tuple[s
 def test_a_flipped_byte_is_named_by_part_array_and_chunk(where):
     import fsspec
 
-    from deepspec.cache.store import storage_options_for
+    from deepspec.cache.storage.urls import storage_options_for
 
     kind, url, options = where
     parts = [make_part("p000000", 1), make_part("p000001", 2, samples=4)]
@@ -458,7 +459,7 @@ def test_reading_a_layer_that_is_not_cached_names_it(where):
 def test_a_sample_spanning_more_chunks_than_one_preadv_takes_reads_back(where):
     """One read of 1,500 one-token chunks: more buffers than a single preadv accepts (IOV_MAX, 1024)."""
     local_only(where)
-    from deepspec.cache.format import encode_hidden
+    from deepspec.cache.spec.format import encode_hidden
 
     rng = np.random.default_rng(5)
     t = 1500

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from deepspec.cache.build import build_cache
-from deepspec.cache.derive import OLD, STAGING, recover
-from deepspec.cache.reader import CacheReader
-from deepspec.cache.verify import verify
+from deepspec.cache.build.stage import build_cache
+from deepspec.cache.build.derive import OLD, STAGING, recover
+from deepspec.cache.read.reader import CacheReader
+from deepspec.cache.tools.verify import verify
 from deepspec.cli import main as cli
 from deepspec.config import CacheConfig
 from tests.cache.test_cache import LAYERS, regen_rows, workdir
@@ -116,7 +116,7 @@ def test_fp8_and_codec_derive_equals_a_from_scratch_build_bitwise(tmp_path, trai
     work = workdir(tmp_path / "a", trained_target, regen_rows(20))
     url = str(work / "data" / "cache.zarr")
     build(work, LAYERS)
-    from deepspec.cache.derive_source import Source
+    from deepspec.cache.build.derive_source import Source
 
     monkeypatch.setattr(Source, "REENCODE_TOKENS", 37)  # a part streamed in several windows, not chunk-aligned
     report = build(work, SUBSET, dtype=dtype, codec=codec)
@@ -378,7 +378,7 @@ def test_a_derive_under_two_ranks_is_shared_by_both_and_takes_no_target_forward(
     """The recipe launches the cache stage with torchrun: a layer subset (linked) or fp8 (re-encoded) is
     still derived, every rank deriving its share into rank 0's staging store, and equals a from-scratch
     build; no rank runs the target."""
-    import deepspec.cache.build as build_mod
+    import deepspec.cache.build.stage as build_mod
     from tests.cache.test_build import build_ranks, committed
 
     work = workdir(tmp_path / "a", trained_target, regen_rows(30))

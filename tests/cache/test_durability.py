@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from deepspec.cache.reader import CacheReader
-from deepspec.cache.verify import verify
-from deepspec.cache.writer import CacheWriter
+from deepspec.cache.read.reader import CacheReader
+from deepspec.cache.tools.verify import verify
+from deepspec.cache.write.writer import CacheWriter
 from tests.cache.test_cache import array_hashes, build, regen_rows, workdir
 
 
@@ -21,7 +21,7 @@ def store_files(url: str) -> dict[str, int]:
 def interrupted_build(work: Path, monkeypatch, fail_at: int = 3) -> tuple[str, list[str]]:
     """A build that stops while writing its `fail_at`-th part (0-based, in write order): the parts
     before it are committed. Returns the store's url and the names of the parts it started."""
-    from deepspec.cache.zarr_write import ZarrStoreWriter
+    from deepspec.cache.backends.zarr.write import ZarrStoreWriter
 
     real = ZarrStoreWriter.open_shard
     seen: list[str] = []
@@ -153,7 +153,7 @@ def test_shards_and_directories_are_fsynced_before_the_commit_mark(tmp_path, tra
 def test_a_directory_that_is_not_a_cache_is_refused_and_left_alone(tmp_path):
     """Pruning debris deletes whatever is not part of a cache, so a writer pointed at anything else
     must refuse before it touches a file."""
-    from deepspec.cache.format import CacheFormatError
+    from deepspec.cache.spec.format import CacheFormatError
     from tests.cache.lease_holder import MANIFEST
 
     for name, files in (("plain", {"notes.txt": "x", "sub/a.bin": "1"}),

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepspec.cache.build import build_cache
-from deepspec.cache.reader import CacheReader
-from deepspec.cache.store import store_url
+from deepspec.cache.build.stage import build_cache
+from deepspec.cache.read.reader import CacheReader
+from deepspec.cache.storage.naming import store_url
 from deepspec.config import CacheConfig
 from deepspec.stage import configure_threads
 from tests.cache.test_cache import LAYERS, regen_rows, workdir
@@ -85,7 +85,7 @@ def batch_sensitive(monkeypatch):
     """The tiny target on a CPU gives the same bf16 states however its samples are batched; a GPU's
     kernels do not (a batch's shape picks the kernel, padding changes reductions). This makes the
     states depend on the batch's shape the way a GPU's do, in a way no rounding hides."""
-    import deepspec.cache.build as build_module
+    import deepspec.cache.build.stage as build_module
 
     plain = build_module.forward_capture
 

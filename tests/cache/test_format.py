@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from deepspec.cache.format import decode_hidden, encode_hidden
+from deepspec.cache.spec.format import decode_hidden, encode_hidden
 
 
 def torch_decode(bits: np.ndarray, scale: np.ndarray) -> torch.Tensor:

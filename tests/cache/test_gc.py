@@ -3,12 +3,12 @@ import json
 
 import pytest
 
-from deepspec.cache.format import CacheFormatError
-from deepspec.cache.gc import collect
-from deepspec.cache.lease import acquire
-from deepspec.cache.reader import CacheReader
-from deepspec.cache.verify import verify
-from deepspec.cache.writer import CacheWriter
+from deepspec.cache.spec.format import CacheFormatError
+from deepspec.cache.tools.gc import collect
+from deepspec.cache.write.lease import acquire
+from deepspec.cache.read.reader import CacheReader
+from deepspec.cache.tools.verify import verify
+from deepspec.cache.write.writer import CacheWriter
 from deepspec.cli import main
 from tests.cache.test_conformance import expect_equal, files, make_part, manifest, where, write  # noqa: F401
 

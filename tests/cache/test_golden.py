@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from deepspec.cache.format import decode_hidden, part_name, sample_keys
-from deepspec.cache.reader import CacheReader
-from deepspec.cache.verify import info, verify
+from deepspec.cache.spec.format import decode_hidden, part_name, sample_keys
+from deepspec.cache.read.reader import CacheReader
+from deepspec.cache.tools.verify import info, verify
 from deepspec.loader.dataset import TargetCacheDataset
 from tests.cache.make_golden import (GOLDEN, LAYERS, PARTS, SAMPLE_IDS, STORES, STORES_V2, STORES_V3,
                                      VERSION, golden_values)
@@ -80,7 +80,7 @@ def test_an_earlier_store_derives_into_a_v3_store_with_the_same_samples(name, tm
     """format_version is content (§8): a v3 writer never adds parts to a v1/v2 store; `deepspec cache
     derive` migrates one part for part (hard links for Zarr, nothing recomputed), adding the content
     keys and naming each part by its content."""
-    from deepspec.cache.derive import derive_store
+    from deepspec.cache.build.derive import derive_store
 
     src = str(tmp_path / name)
     shutil.copytree(GOLDEN / name, src)

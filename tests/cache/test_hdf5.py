@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from deepspec.cache.convert import convert
-from deepspec.cache.format import part_arrays
-from deepspec.cache.reader import CacheReader
-from deepspec.cache.verify import verify
+from deepspec.cache.tools.convert import convert
+from deepspec.cache.spec.format import part_arrays
+from deepspec.cache.read.reader import CacheReader
+from deepspec.cache.tools.verify import verify
 from deepspec.loader.dataset import TargetCacheDataset
 from tests.cache.test_cache import LAYERS, array_hashes, build, regen_rows, workdir
 
@@ -83,7 +83,7 @@ def test_convert_is_bitwise_both_ways(small_cache, h5_cache, tmp_path):
 
 
 def test_convert_refuses_a_destination_that_holds_anything(small_cache, tmp_path):
-    from deepspec.cache.format import CacheFormatError
+    from deepspec.cache.spec.format import CacheFormatError
 
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "notes.txt").write_text("keep")
@@ -117,7 +117,7 @@ def test_hdf5_on_s3_is_one_object_per_part_and_reads_back(h5_cache, moto):
 def test_part_file_is_fsynced_before_it_is_linked_and_listed(tmp_path, monkeypatch):
     """The commit order on a filesystem: the complete temp file reaches the disk, then its final name
     is created (the commit), then parts/ is fsynced, then the manifest is replaced."""
-    from deepspec.cache.writer import CacheWriter
+    from deepspec.cache.write.writer import CacheWriter
     from tests.cache.test_conformance import make_part, manifest
 
     events = []
@@ -202,7 +202,7 @@ def test_a_draft_trained_on_zarr_and_on_its_hdf5_conversion_sees_identical_batch
 GC_ON_FSSPEC_THREAD = r"""
 import gc, sys
 import h5py
-from deepspec.cache.hdf5_store import HDF5Store
+from deepspec.cache.backends.hdf5.read import HDF5Store
 
 url, endpoint = sys.argv[1:3]
 store = HDF5Store(url, {"endpoint_url": endpoint, "key": "testing", "secret": "testing"})

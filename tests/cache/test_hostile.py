@@ -10,9 +10,9 @@ import fsspec
 import numpy as np
 import pytest
 
-from deepspec.cache.format import CacheFormatError
-from deepspec.cache.reader import CacheReader
-from deepspec.cache.store import storage_options_for
+from deepspec.cache.spec.format import CacheFormatError
+from deepspec.cache.read.reader import CacheReader
+from deepspec.cache.storage.urls import storage_options_for
 from tests.cache.test_conformance import H, make_part, where, write  # noqa: F401  (`where`: the backends fixture)
 
 ROOT = {"zarr": "zarr.json", "hdf5": "manifest.json"}

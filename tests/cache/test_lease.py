@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deepspec.cache.format import CacheFormatError
-from deepspec.cache.writer import CacheWriter
+from deepspec.cache.spec.format import CacheFormatError
+from deepspec.cache.write.writer import CacheWriter
 from tests.cache.lease_holder import MANIFEST, part
 from tests.conftest import REPO, project_env
 
@@ -74,7 +74,7 @@ def s3_store(moto):
 
 
 def part_ids(url, storage_options, name) -> list[int]:
-    from deepspec.cache.store import open_root
+    from deepspec.cache.storage.fenced import open_root
 
     return [int(v) for v in open_root(url, "r", storage_options)[f"parts/{name}/sample_id"][...]]
 
@@ -185,7 +185,7 @@ def test_objects_of_a_part_are_only_created_never_overwritten_on_s3(s3_store):
     from zarr.core.buffer import default_buffer_prototype
     from zarr.core.sync import sync
 
-    from deepspec.cache.store import PartConflict, open_store
+    from deepspec.cache.storage.fenced import PartConflict, open_store
 
     url, so = s3_store
     holder = CacheWriter(url, MANIFEST, so)
@@ -221,10 +221,10 @@ def test_a_planted_lease_file_is_refused_and_nothing_behind_it_is_written(tmp_pa
 def test_a_retried_lease_put_whose_first_attempt_landed_keeps_the_lease(s3_store, monkeypatch, caplog):
     """botocore retries a PUT whose response timed out; when the first attempt had landed, the retry
     is answered 412 (the object exists / its ETag changed). The writer's own token is stored: it holds."""
-    from deepspec.cache.lease import S3Lease
+    from deepspec.cache.write.lease import S3Lease
 
     url, so = s3_store
-    caplog.set_level("INFO", logger="deepspec.cache.lease")
+    caplog.set_level("INFO", logger="deepspec.cache.write")
     real = S3Lease._put
 
     def put_then_retry(self, body, **condition):
@@ -243,7 +243,7 @@ def test_a_retried_lease_put_whose_first_attempt_landed_keeps_the_lease(s3_store
 
 
 def _plant(moto, url, **body):
-    from deepspec.cache.lease import owner
+    from deepspec.cache.write.lease import owner
 
     bucket, key = url.removeprefix("s3://").split("/", 1)
     doc = dict(owner("planted0000000000", 600.0), **body)
@@ -276,7 +276,7 @@ def test_a_hostile_lease_ttl_is_bounded_not_trusted(s3_store, moto, ttl):
 def test_the_root_manifest_is_replaced_only_if_it_is_what_the_writer_read(s3_store, moto, kind):
     """A writer paused past its lease, whose store another job then took over and consolidated, must
     not switch the root back to its own parts: the root is written with If-Match on what it read."""
-    from deepspec.cache.store import PartConflict
+    from deepspec.cache.storage.fenced import PartConflict
     from tests.cache.test_conformance import make_part, manifest
 
     url, so = s3_store

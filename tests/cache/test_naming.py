@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from deepspec.cache.build import build_cache, cache_manifest
-from deepspec.cache.format import CONTENT_KEYS, CacheFormatError
-from deepspec.cache.manifest import manifest_mismatch
-from deepspec.cache.reader import CacheReader
-from deepspec.cache.store import list_stores, store_key, store_url
+from deepspec.cache.build.stage import build_cache, cache_manifest
+from deepspec.cache.spec.format import CONTENT_KEYS, CacheFormatError
+from deepspec.cache.spec.manifest import manifest_mismatch
+from deepspec.cache.read.reader import CacheReader
+from deepspec.cache.storage.naming import list_stores, store_key, store_url
 from deepspec.config import CacheConfig
 from tests.cache.test_cache import LAYERS, regen_rows, workdir
 
@@ -99,7 +99,7 @@ def test_a_store_at_the_lake_url_itself_is_refused_with_the_move_to_make(tmp_pat
     bucket = moto.bucket("naming-old")
     work = workdir(tmp_path, trained_target, regen_rows(3))
     regen, target = work / "data/regen/train.jsonl", work / "data/target"
-    from deepspec.cache.writer import CacheWriter
+    from deepspec.cache.write.writer import CacheWriter
     from deepspec.models.target import load_identity
 
     m = cache_manifest(CacheConfig(), LAYERS, load_identity(target))
@@ -111,7 +111,7 @@ def test_a_store_at_the_lake_url_itself_is_refused_with_the_move_to_make(tmp_pat
 
 
 def test_train_reads_the_store_the_cache_stage_recorded(tmp_path):
-    from deepspec.cache.store import built_store_url
+    from deepspec.cache.storage.naming import built_store_url
 
     manifest = tmp_path / "manifest.json"
     assert built_store_url("data/cache.zarr", manifest) == "data/cache.zarr"  # a local path is the store

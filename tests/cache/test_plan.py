@@ -1,9 +1,9 @@
-"""The part plan (deepspec/cache/plan.py): parts cut by content, so a change of the input changes
+"""The part plan (deepspec/cache/spec/plan.py): parts cut by content, so a change of the input changes
 only the parts around it, on any length distribution."""
 import numpy as np
 import pytest
 
-from deepspec.cache.plan import MIN_FILL, pack_ranges, part_ranges
+from deepspec.cache.spec.plan import MIN_FILL, pack_ranges, part_ranges
 
 LENGTHS = {  # a short-chat corpus like the embedded default's, and the reference's long answers
     "chat": lambda rng, n: rng.integers(10, 120, n),

@@ -7,7 +7,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from deepspec.cache.ranges import ByteRanges
+from deepspec.cache.read.ranges import ByteRanges
 
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message></Error>")

@@ -2,7 +2,7 @@
 
 `ref_read` / `ref_write` below are written from the reference's format facts alone (its reader
 `CacheDataset` and its writer in deepspec/data/target_cache_dataset.py of deepseek-ai/DeepSpec) and
-share no code with deepspec/cache/reference.py or reference_cache.py, so an export that they read
+share no code with deepspec/cache/tools/reference.py or reference_cache.py, so an export that they read
 back, and a directory they write that the import accepts, test the format rather than the module
 against itself.
 """
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from deepspec.cache.format import CacheFormatError
-from deepspec.cache.reader import CacheReader
-from deepspec.cache.reference import export_reference, import_reference
-from deepspec.cache.verify import verify
-from deepspec.cache.part_data import PartData
-from deepspec.cache.writer import CacheWriter
+from deepspec.cache.spec.format import CacheFormatError
+from deepspec.cache.read.reader import CacheReader
+from deepspec.cache.tools.reference import export_reference, import_reference
+from deepspec.cache.tools.verify import verify
+from deepspec.cache.write.part_data import PartData
+from deepspec.cache.write.writer import CacheWriter
 from deepspec.cli import main
 from deepspec.loader.dataset import TargetCacheDataset
 from deepspec.models.target import load_identity
@@ -177,7 +177,7 @@ def test_export_is_read_by_a_reader_written_from_the_format_facts(small_cache, e
 
 
 def test_export_then_import_round_trips_bitwise(small_cache, exported, tmp_path, trained_target, monkeypatch):
-    import deepspec.cache.reference as reference_mod
+    import deepspec.cache.tools.reference as reference_mod
 
     # a part's hidden states are read and streamed a few records at a time (never the part at once)
     monkeypatch.setattr(reference_mod, "IMPORT_BATCH_TOKENS", 50)

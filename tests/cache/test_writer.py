@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import zarr
 
-from deepspec.cache.format import inner_codecs
-from deepspec.cache.zarr_shard import encode_shard
+from deepspec.cache.spec.format import inner_codecs
+from deepspec.cache.backends.zarr.shard import encode_shard
 
 
 @pytest.mark.parametrize("dtype, shape, chunk", [("uint16", (203, 24), 16), ("int32", (1500,), 1024),
@@ -30,7 +30,7 @@ def test_a_shard_appended_in_uneven_batches_equals_the_shard_encoded_whole(codec
     is the one encoded from all rows at once, whatever the batch boundaries."""
     import io
 
-    from deepspec.cache.zarr_shard import ShardAppender
+    from deepspec.cache.backends.zarr.shard import ShardAppender
 
     rng = np.random.default_rng(1)
     data = rng.integers(0, 1 << 16, size=(203, 24)).astype("uint16")
@@ -46,8 +46,8 @@ def test_a_shard_appended_in_uneven_batches_equals_the_shard_encoded_whole(codec
 def test_a_shard_refuses_rows_beyond_or_short_of_its_shape():
     import io
 
-    from deepspec.cache.format import CacheFormatError
-    from deepspec.cache.zarr_shard import ShardAppender
+    from deepspec.cache.spec.format import CacheFormatError
+    from deepspec.cache.backends.zarr.shard import ShardAppender
 
     shard = ShardAppender(io.BytesIO(), 10, (4,), np.uint16, 4, "none")
     shard.append(np.zeros((6, 4), np.uint16))

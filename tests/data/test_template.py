@@ -217,7 +217,7 @@ def test_gemma_template_mask_covers_the_trimmed_answers_and_their_end_of_turn(ge
 
 
 def test_a_conversation_the_template_refuses_is_a_row_error_with_the_templates_message(gemma_style_tokenizer):
-    from deepspec.cache.regen_rows import EncodeRules, encode_row
+    from deepspec.cache.build.regen_rows import EncodeRules, encode_row
 
     row = {"id": "00000000000000aa", "conversations": [
         {"role": "user", "content": "Hi"}, {"role": "user", "content": "Hello?"},

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from deepspec.cache.checks import ChecksumError
-from deepspec.cache.format import CacheFormatError, encode_hidden, decode_hidden
-from deepspec.cache.part_data import PartData
-from deepspec.cache.writer import CacheWriter
+from deepspec.cache.read.checks import ChecksumError
+from deepspec.cache.spec.format import CacheFormatError, encode_hidden, decode_hidden
+from deepspec.cache.write.part_data import PartData
+from deepspec.cache.write.writer import CacheWriter
 from deepspec.loader.collate import collate
 from deepspec.loader.dataset import TargetCacheDataset
 from deepspec.loader.prefetch import Prefetcher
@@ -122,7 +122,7 @@ def test_checks_on_checksum_threads_match_and_still_catch_a_flipped_bit(tmp_path
     the damaged array's checks are still running while later arrays of the sample are read."""
     import threading
 
-    import deepspec.cache.shard_reader as shard_reader_mod
+    import deepspec.cache.read.shards as shard_reader_mod
     monkeypatch.setattr(shard_reader_mod, "CHECK_BYTES", 2 * (16 * H * 2 + 4))  # two chunks a task at H = 24
     parts = synthetic_parts(parts=2)
     url = write_store(str(tmp_path / "c.zarr"), parts)

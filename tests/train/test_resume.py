@@ -153,7 +153,7 @@ def test_params_change_sets_old_checkpoints_aside_until_the_new_run_saves(tmp_pa
 @pytest.mark.timeout(300)
 def test_an_empty_regen_output_stops_before_a_store_train_could_read(tmp_path, trained_target):
     # the cache stage refuses 0 rows (it never leaves an empty or a previous store for train to read)
-    from deepspec.cache.build import EmptyInput, build_cache
+    from deepspec.cache.build.stage import EmptyInput, build_cache
     from deepspec.config import CacheConfig
 
     (tmp_path / "regen.jsonl").write_text("")

@@ -373,7 +373,7 @@ def test_eagle3_layers_default_and_must_be_three():
 
 
 def test_distinct_token_ids_are_every_id_the_cache_holds(small_cache):
-    from deepspec.cache.reader import CacheReader
+    from deepspec.cache.read.reader import CacheReader
     from deepspec.loader.dataset import TargetCacheDataset
     from deepspec.train.run import distinct_token_ids
 

@@ -1,0 +1,206 @@
+"""The HDF5 backend (docs/cache-format.md §11): `manifest.json` + one `parts/<part>.h5` file per part.
+`HDF5Store` reads a store; hdf5_write.HDF5StoreWriter adds the write side.
+
+A part file holds the same arrays, dtypes and CSR layout as a Zarr part, each a chunked dataset
+with HDF5's Fletcher-32 checksum per chunk (after the Blosc filter when a codec is set). The file is
+written complete to a temporary file, fsynced, and committed by creating its final name (a hard
+link on a filesystem, a conditional `If-None-Match: *` upload on S3), so a part file that exists is
+committed and is never rewritten. When the part is written its chunk table (every dataset's chunk
+(offset, nbytes)) is stored inside the file as a plain contiguous dataset `chunk_index`, whose byte
+range and crc32c the manifest records: a reader then fetches a sample with byte ranges, without
+h5py, exactly as it reads a Zarr shard.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import numpy as np
+from crc32c import crc32c
+
+from deepspec.cache.backends.base import ArrayLayout, CacheStore
+from deepspec.cache.storage.bounded import BoundedCache
+from deepspec.cache.spec.format import PART_NAME, CacheFormatError
+from deepspec.cache.backends.hdf5.h5 import INDEX_DATASET, no_cyclic_gc, register_plugins
+from deepspec.cache.spec.manifest import PartEntry
+from deepspec.cache.storage.urls import inside_store, local_path, storage_options_for
+
+MANIFEST_NAME = "manifest.json"
+SUFFIX = ".h5"
+# the consolidated per-sample index (§3.1): v3, files `index/<name>.h5` (dataset "index", uint64
+# [samples, 6], named by their content, never overwritten); v2, the one file `index.h5` ([samples, 4])
+INDEX_DIR = "index"
+INDEX_FILE = "index.h5"
+
+
+class HDF5Store(CacheStore):
+    kind = "hdf5"
+    layout_entries = frozenset({MANIFEST_NAME, "parts", INDEX_DIR, INDEX_FILE})
+
+    def __init__(self, url: str, storage_options: dict | None = None):
+        super().__init__(url, storage_options)
+        self._fs = None
+        # parsed chunk tables, per part (numpy arrays, not the JSON's lists), bounded: least recently used out
+        self.tables = BoundedCache(self.TABLE_BYTES)
+
+    TABLE_BYTES = 16 << 20
+
+    def __getstate__(self):
+        return dict(self.__dict__, _fs=None, tables=BoundedCache(self.TABLE_BYTES), last_listing=None)
+
+    # ---- bytes -------------------------------------------------------------------------------
+    @property
+    def fs(self):
+        if self._fs is None:
+            import fsspec
+
+            self._fs, self._root = fsspec.core.url_to_fs(self.url, **storage_options_for(self.url, self.storage_options))
+        return self._fs
+
+    def key_path(self, key: str) -> str:
+        if self.remote:
+            _ = self.fs
+            return f"{self._root.rstrip('/')}/{key}"
+        return inside_store(str(local_path(self.url)), key)
+
+    def cat(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        if self.remote:
+            return self.fs.cat_file(self.key_path(key), start=start, end=end)
+        with open(self.key_path(key), "rb") as f:
+            if start is None:
+                return f.read()
+            f.seek(start)
+            data = f.read(end - start)
+        if len(data) != end - start:
+            raise CacheFormatError(f"{key}: short read ({len(data)} of {end - start} bytes at {start})")
+        return data
+
+    def list_dir(self, prefix: str) -> list[str]:
+        if self.remote:
+            path = self.key_path(prefix).rstrip("/")
+            self.fs.invalidate_cache(path)
+            try:
+                return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False))
+            except FileNotFoundError:
+                return []
+        path = local_path(self.url) / prefix
+        return sorted(os.listdir(path)) if path.is_dir() else []
+
+    @contextlib.contextmanager
+    def _h5(self, name: str):
+        import h5py
+
+        if not self.remote:
+            with h5py.File(self.key_path(f"parts/{name}{SUFFIX}"), "r") as f:
+                yield f
+            return
+        # h5py reads the S3 object through the fsspec file while holding its global lock: no cyclic
+        # collection meanwhile (hdf5_h5py.no_cyclic_gc); the HDF5 file is closed before the file object
+        with no_cyclic_gc(), self.fs.open(self.key_path(f"parts/{name}{SUFFIX}"), "rb") as raw, \
+                h5py.File(raw, "r") as f:
+            yield f
+
+    # ---- manifest ----------------------------------------------------------------------------
+    def root_attrs(self) -> dict:
+        try:
+            raw = self.cat(MANIFEST_NAME)
+        except FileNotFoundError:
+            if not self.writable:
+                raise CacheFormatError(f"{self.url}: not a cache store (no {MANIFEST_NAME})") from None
+            return {}
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise CacheFormatError(f"{self.url}/{MANIFEST_NAME}: not valid JSON") from None
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        return self.cat(key, start, end)
+
+    def index_keys(self) -> list[str]:
+        return [n[:-len(SUFFIX)] for n in self.list_dir(INDEX_DIR) if n.endswith(SUFFIX)]
+
+    def index_key(self, name: str) -> str:
+        return f"{INDEX_DIR}/{name}{SUFFIX}"
+
+    # ---- listing -----------------------------------------------------------------------------
+    def committed_parts(self) -> dict[str, dict]:
+        out = {}
+        for entry in self.list_dir("parts"):
+            if not (entry.endswith(SUFFIX) and PART_NAME.fullmatch(entry[:-len(SUFFIX)])):
+                continue
+            name = entry[:-len(SUFFIX)]
+            try:
+                with self._h5(name) as f:
+                    attrs = {k: (v.item() if hasattr(v, "item") and np.ndim(v) == 0 else v) for k, v in f.attrs.items()}
+                    # what the consolidated index needs, read while the file is open anyway
+                    lengths = np.diff(np.asarray(f["offsets"][:], dtype=np.int64))
+                    ids = np.asarray(f["sample_id"][:], dtype=np.uint64)
+                    keys = np.asarray(f["sample_key"][:], dtype=np.uint64) if "sample_key" in f else None
+                attrs[INDEX_DATASET] = [int(v) for v in attrs[INDEX_DATASET]]
+                attrs = {k: (int(v) if isinstance(v, (np.integer, bool, np.bool_)) else v) for k, v in attrs.items()}
+                attrs["lengths"], attrs["sample_ids"] = lengths, ids
+                if keys is not None:
+                    attrs["keys"] = keys
+            except (OSError, KeyError, ValueError) as e:
+                # the name exists only after a commit: an unreadable file is a damaged committed part
+                attrs = {"committed": True, "samples": 0, "tokens": 0, "damaged": f"unreadable ({e.__class__.__name__})"}
+            out[name] = attrs
+        self.last_listing = dict(sorted(out.items()))
+        return dict(self.last_listing)
+
+    # ---- reading -----------------------------------------------------------------------------
+    def chunk_table(self, part: PartEntry) -> dict:
+        table = self.tables.get(part.name)
+        if table is None:
+            where = part.chunk_index
+            if where is None:
+                with self._h5(part.name) as f:
+                    where = [int(v) for v in f.attrs[INDEX_DATASET]]
+            off, n, crc = (int(v) for v in where)
+            key = f"parts/{part.name}{SUFFIX}"
+            blob = self.cat(key, off, off + n)
+            if crc32c(blob) != crc:
+                raise CacheFormatError(f"{self.url}: {key}: chunk table checksum mismatch (corrupt bytes)")
+            try:
+                table = {name: dict(t, chunks=np.asarray(t["chunks"], dtype=np.uint64).reshape(-1, 2),
+                                    **({"crc32c": np.asarray(t["crc32c"], dtype=np.uint32)} if "crc32c" in t else {}))
+                         for name, t in json.loads(blob).items()}
+            except (ValueError, TypeError, KeyError, AttributeError) as e:
+                raise CacheFormatError(f"{self.url}: {key}: chunk table unreadable ({e.__class__.__name__})") from None
+            self.tables[part.name] = table
+        return table
+
+    def layout(self, part: PartEntry, array: str) -> ArrayLayout | None:
+        table = self.chunk_table(part)
+        if array not in table:
+            raise CacheFormatError(f"{self.url}: array {array} is missing from parts/{part.name}{SUFFIX}")
+        t = table[array]
+        if not t["filtered"]:
+            return None  # a chunk skipped a filter: read through h5py
+        dtype, shape = np.dtype(t["dtype"]), tuple(t["shape"])
+        chunks = np.asarray(t["chunks"], dtype=np.uint64).reshape(-1, 2)
+        return ArrayLayout(key=f"parts/{part.name}{SUFFIX}", dtype=dtype, shape=shape, chunk_rows=t["chunk_rows"],
+                           n_chunks=len(chunks), blosc=t["blosc"],
+                           row_bytes=dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64)),
+                           checksum="fletcher32", table=chunks, crcs=np.asarray(t["crc32c"], dtype=np.uint32) if "crc32c" in t else None,
+                           name=f"parts/{part.name}{SUFFIX}: {array}")
+
+    def read_slow(self, part: PartEntry, array: str, start: int, stop: int) -> np.ndarray:
+        register_plugins()
+        try:
+            with self._h5(part.name) as f:
+                if array not in f:
+                    raise CacheFormatError(f"{self.url}: array {array} is missing from parts/{part.name}{SUFFIX}")
+                return np.asarray(f[array][start:stop])
+        except OSError as e:  # h5py reports a failed Fletcher-32 as a filter failure
+            raise CacheFormatError(f"{self.url}: parts/{part.name}{SUFFIX}: {array}: rows {start}..{stop}: {e}") from None
+
+    def array_rows(self, part: PartEntry, array: str) -> int:
+        return int(self.chunk_table(part)[array]["shape"][0])
+
+    def declared(self, part: PartEntry, array: str) -> tuple[np.dtype, tuple]:
+        table = self.chunk_table(part)
+        if array not in table:
+            raise CacheFormatError(f"{self.url}: array {array} is missing from parts/{part.name}{SUFFIX}")
+        return np.dtype(table[array]["dtype"]), tuple(table[array]["shape"])

@@ -1,0 +1,148 @@
+"""The Zarr v3 backend (docs/cache-format.md §2–§7): one group per part, one shard file per array.
+`ZarrStore` reads a store; zarr_write.ZarrStoreWriter adds the write side."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from functools import cached_property
+
+import numpy as np
+import zarr
+
+from deepspec.cache.backends.base import ArrayLayout, CacheStore
+from deepspec.cache.spec.format import PART_NAME, CacheFormatError
+from deepspec.cache.spec.manifest import PartEntry
+from deepspec.cache.storage.urls import inside_store, local_path
+from deepspec.cache.storage.fenced import open_root
+from deepspec.cache.backends.zarr.layout import parse_layout
+
+# the consolidated per-sample index (§3.1): v3, arrays `index/<name>` (uint64 [samples, 6], one chunk,
+# named by their content, never overwritten); v2, the one array `index` (uint64 [samples, 4])
+INDEX_ARRAY = "index"
+
+
+class ZarrStore(CacheStore):
+    kind = "zarr"
+    layout_entries = frozenset({"zarr.json", "parts", INDEX_ARRAY})
+
+    @cached_property
+    def root(self) -> zarr.Group:
+        return self.open_group()
+
+    def open_group(self) -> zarr.Group:
+        """The root group, opened read-only (ZarrStoreWriter opens it to write)."""
+        return open_root(self.url, "r", self.storage_options)
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "root"}
+
+    # ---- manifest ----------------------------------------------------------------------------
+    def root_attrs(self) -> dict:
+        return dict(self.root.attrs)
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        from zarr.abc.store import RangeByteRequest
+        from zarr.core.buffer import default_buffer_prototype
+        from zarr.core.sync import sync
+
+        buf = sync(self.root.store.get(key, prototype=default_buffer_prototype(),
+                                       byte_range=RangeByteRequest(start, end)))
+        if buf is None:
+            raise CacheFormatError(f"{self.url}: {key} is missing")
+        data = buf.to_bytes()
+        if len(data) != end - start:
+            raise CacheFormatError(f"{self.url}: {key}: short read ({len(data)} of {end - start} bytes at {start})")
+        return data
+
+    def index_keys(self) -> list[str]:
+        if self.remote:
+            return [n for n in self.list_dir(INDEX_ARRAY) if n not in ("zarr.json", "c")]
+        path = local_path(self.url) / INDEX_ARRAY
+        if not path.is_dir() or (path / "c").exists():  # absent, or v2's single array
+            return []
+        return sorted(n for n in os.listdir(path) if n != "zarr.json")
+
+    def index_key(self, name: str) -> str:
+        return f"{INDEX_ARRAY}/{name}/c/0/0"
+
+    # ---- listing -----------------------------------------------------------------------------
+    def list_dir(self, prefix: str, store=None) -> list[str]:
+        from zarr.core.sync import sync
+
+        store = store or self.root.store
+        if self.remote:  # s3fs caches listings per filesystem instance: another process may have written
+            store.fs.invalidate_cache(f"{store.path}/{prefix}".rstrip("/"))
+
+        async def names():
+            return [n async for n in store.list_dir(prefix)]
+
+        return sorted(n.rstrip("/") for n in sync(names()) if n.rstrip("/"))
+
+    def part_marks(self, committed_only: bool = True) -> dict[str, dict | None]:
+        """Every entry under parts/ -> its group attributes (None when it is not a readable part
+        group). Read directly, not through zarr-python, which raises on an empty or torn zarr.json."""
+        from zarr.core.buffer import default_buffer_prototype
+        from zarr.core.sync import sync
+
+        store = self.root.store
+        names = [n for n in self.list_dir("parts") if n != "zarr.json"]
+
+        async def read(name):
+            if not PART_NAME.fullmatch(name):
+                return None
+            try:
+                buf = await store.get(f"parts/{name}/zarr.json", prototype=default_buffer_prototype())
+                meta = json.loads(buf.to_bytes()) if buf is not None else None
+            except (OSError, ValueError):
+                return None
+            if not isinstance(meta, dict) or meta.get("node_type") != "group":
+                return None
+            return dict(meta.get("attributes") or {})
+
+        async def read_all():
+            return await asyncio.gather(*(read(n) for n in names))
+
+        marks = dict(zip(names, sync(read_all())))
+        if committed_only:
+            return {n: a for n, a in marks.items() if a and a.get("committed")}
+        return marks
+
+    def committed_parts(self) -> dict[str, dict]:
+        return dict(sorted(self.part_marks().items()))
+
+    # ---- reading -----------------------------------------------------------------------------
+    def _inside(self, path: str) -> None:
+        """A local array's metadata and shard are read through zarr-python: its directory must not
+        link outside the store (store.inside_store; the fast path checks every file it opens)."""
+        if not self.remote:
+            for key in ("zarr.json", "c/0", "c/0/0"):  # the shard of a 1-D or a 2-D array
+                inside_store(str(local_path(self.url)), f"{path}/{key}")
+
+    def layout(self, part: PartEntry, array: str) -> ArrayLayout | None:
+        path = f"parts/{part.name}/{array}"
+        self._inside(path)
+        try:
+            meta = self.root[path].metadata.to_dict()
+        except KeyError:
+            raise CacheFormatError(f"{self.url}: array {path} is missing") from None
+        return parse_layout(path, meta)
+
+    def read_slow(self, part: PartEntry, array: str, start: int, stop: int) -> np.ndarray:
+        try:
+            return np.asarray(self.root[f"parts/{part.name}/{array}"][start:stop])
+        except KeyError:
+            raise CacheFormatError(f"{self.url}: array parts/{part.name}/{array} is missing") from None
+        except ValueError as e:  # zarr-python's crc32c codec reports a mismatch as ValueError
+            raise CacheFormatError(f"{self.url}: parts/{part.name}/{array}: rows {start}..{stop}: {e}") from None
+
+    def array_rows(self, part: PartEntry, array: str) -> int:
+        return int(self.root[f"parts/{part.name}/{array}"].shape[0])
+
+    def declared(self, part: PartEntry, array: str) -> tuple[np.dtype, tuple]:
+        self._inside(f"parts/{part.name}/{array}")
+        try:
+            a = self.root[f"parts/{part.name}/{array}"]
+        except KeyError:
+            raise CacheFormatError(f"{self.url}: array parts/{part.name}/{array} is missing") from None
+        return np.dtype(a.dtype), tuple(a.shape)

@@ -1,0 +1,348 @@
+"""The `cache` stage: regen rows -> target forward passes -> store parts (Zarr or HDF5).
+
+The stage streams: one pass tokenises every row to learn its length, content key and byte offset
+(kept as numpy arrays, the tokens dropped), the part plan is made from those alone, and a part's
+rows are re-read and tokenised only when that part is computed, so a rank holds a few parts of
+samples, never the corpus. The plan is a pure function of the input (`plan_store`, cache/plan.py):
+parts are cut by content and named by it, so a part the store already holds is kept, every other
+planned part is computed, and the store's new manifest lists exactly the planned parts. The result
+equals a from-scratch build of the same input, and a rerun after a crash, single- or multi-rank,
+writes exactly the parts an uninterrupted run would have. Forward passes run in length-sorted
+batches within a part; the writer thread encodes and writes one part while the model computes the
+next.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from deepspec.cache.spec.format import CacheFormatError, bytes_per_token, encode_hidden_on_device, part_name
+from deepspec.cache.spec.plan import pack_ranges, part_ranges, store_order
+from deepspec.cache.write.lease import new_run_id
+from deepspec.cache.storage.urls import is_remote
+from deepspec.cache.storage.naming import check_lake, store_url
+from deepspec.cache.write.part_data import PartData
+from deepspec.cache.build.regen_rows import (EncodeRules, RowIndex, Sample, index_share, line_ranges, merge_shares,
+                                       part_samples)
+from deepspec.cache.write.writer import CacheWriter
+from deepspec.config import CacheConfig
+from deepspec.devices import HostCopies
+from deepspec.models.capture import forward_capture
+from deepspec.models.target import check_layers, compute_fingerprint, compute_settings, load_causal_lm, load_identity
+from deepspec.progress import progress
+
+log = logging.getLogger(__name__)
+
+
+def plan_store(index: RowIndex, part_tokens: int) -> list[tuple[str, np.ndarray]]:
+    """Every part of the store for this input, as (name, sample positions in store order): the
+    samples cut into parts by content (plan.part_ranges), each part named by what it holds
+    (format.part_name). A pure function of the input: a from-scratch build, a resumed one and an
+    incremental one after any change of the input all plan the same parts."""
+    out = []
+    for a, b in part_ranges(index.lengths, index.keys, part_tokens):
+        rows = store_order(np.arange(a, b, dtype=np.int64), index.lengths)
+        out.append((part_name(index.keys[rows], index.sample_ids[rows]), rows))
+    return out
+
+
+def length_batches(samples: list[Sample], batch_tokens: int) -> list[list[int]]:
+    """Consecutive runs of `samples` (a part's samples come longest first, plan_parts) such that
+    batch size x longest length stays within batch_tokens."""
+    ranges = pack_ranges([len(s.input_ids) for s in samples], batch_tokens, padded=True)
+    return [list(range(a, b)) for a, b in ranges]
+
+
+def padded(samples: list[Sample], batch: list[int], pad_id: int, pin: bool = False):
+    """(input ids, attention mask, lengths) of `batch` (indices into `samples`), right-padded on the
+    host (pinned for an asynchronous copy to a GPU): a sample's rows are its first n positions."""
+    lengths = [len(samples[i].input_ids) for i in batch]
+    longest = max(lengths)
+    ids = torch.full((len(batch), longest), pad_id, dtype=torch.long, device="cpu", pin_memory=pin)
+    mask = torch.zeros((len(batch), longest), dtype=torch.long, device="cpu", pin_memory=pin)
+    for row, (i, n) in enumerate(zip(batch, lengths)):
+        ids[row, :n] = torch.as_tensor(samples[i].input_ids, device="cpu")
+        mask[row, :n] = 1
+    return ids, mask, lengths
+
+
+def forward_batches(model, samples: list[Sample], layers: list[int], batch_tokens: int, pad_id: int,
+                    device: torch.device, dtype: str = "bfloat16"):
+    """Forward passes over `samples` in order; yields each batch's hidden states as a devices.HostBatch
+    whose result() is {layer or "last": (bits, scale)}, the batch's rows back to back in sample order,
+    already encoded, so the writer thread only waits for the copy, checksums and writes. On a GPU the
+    copies to pinned host buffers run on a copy stream while the next batch's forward computes."""
+    copies = HostCopies(device)
+    for batch in length_batches(samples, batch_tokens):
+        ids, mask, lengths = padded(samples, batch, pad_id, pin=device.type == "cuda")
+        captured, last = forward_capture(model, ids.to(device, non_blocking=True),
+                                         mask.to(device, non_blocking=True), layers)
+        rows = [*((k, captured[k]) for k in layers), ("last", last)]
+        yield copies.copy({layer: encode_hidden_on_device(torch.cat([values[row, :n] for row, n in enumerate(lengths)]),
+                                                          dtype) for layer, values in rows})
+
+
+def part_header(name: str, samples: list[Sample]) -> PartData:
+    """A part's ids, keys, lengths, tokens and loss mask, in store order (its hidden states come apart)."""
+    return PartData(
+        name=name,
+        keys=np.array([s.key for s in samples], dtype=np.uint64).reshape(-1, 2),
+        sample_ids=np.array([s.sample_id for s in samples], dtype=np.uint64),
+        lengths=np.array([len(s.input_ids) for s in samples], dtype=np.int64),
+        input_ids=np.concatenate([np.asarray(s.input_ids, dtype=np.int32) for s in samples]) if samples else
+        np.zeros(0, np.int32),
+        loss_mask=np.concatenate([np.asarray(s.loss_mask, dtype=np.uint8) for s in samples]) if samples else
+        np.zeros(0, np.uint8),
+    )
+
+
+def compute_part(model, name: str, samples: list[Sample], layers: list[int], batch_tokens: int,
+                 pad_id: int, device: torch.device, dtype: str = "bfloat16", writer=None,
+                 computed_by: str | None = None) -> PartData:
+    """Forward passes for one part, samples in the given (store) order. With a `writer` the part is
+    streamed (CacheWriter.submit of its `batches`): each batch goes to the part's shards as it is
+    computed, and the returned PartData has no hidden states; without one they are collected into it.
+    `computed_by` (models.target.compute_fingerprint) goes into the part's commit record."""
+    part = part_header(name, samples)
+    part.computed_by = computed_by
+    batches = forward_batches(model, samples, layers, batch_tokens, pad_id, device, dtype)
+    if writer is None:
+        got = [b.result() for b in batches]
+        part.hidden = {k: (np.concatenate([b[k][0] for b in got]),
+                           None if got[0][k][1] is None else np.concatenate([b[k][1] for b in got]))
+                       for k in [*layers, "last"]}
+        return part
+    part.batches = batches
+    writer.submit(part)  # draws the batches (the forward passes) here, the writer thread writes them
+    return part
+
+
+def compute_of(cfg: CacheConfig, target_dir: Path, device: torch.device) -> dict:
+    """Every setting a part's bits depend on beyond its samples and the store's other content fields,
+    so that a change of any of them names another store (docs/cache-format.md §7): the target's dtype
+    and attention kernel; the forward batching (`cache.batch_tokens`: which samples share a padded
+    batch changes the last bits of their states); on a CPU the thread count (how a matmul's work is
+    split). The software and hardware are recorded per part instead (compute_fingerprint)."""
+    compute = dict(compute_settings(target_dir, device), batch_tokens=cfg.batch_tokens)
+    if device.type == "cpu":
+        compute["threads"] = torch.get_num_threads()
+    return compute
+
+
+def cache_manifest(cfg: CacheConfig, layers: list[int], ident: dict, compute: dict | None = None) -> dict:
+    """`compute`: compute_of (dtype, attention kernel, batching the states come from)."""
+    return {
+        "target": ident,
+        **({"compute": compute} if compute else {}),
+        "layers": list(layers),
+        "dtype": cfg.dtype,
+        "codec": cfg.codec,
+        "max_length": cfg.max_length,
+        "chunk_tokens": cfg.chunk_tokens,
+        "hidden_size": ident["hidden_size"],
+        "storage": cfg.format,
+        "bytes_per_token": bytes_per_token(ident["hidden_size"], len(layers), cfg.dtype),
+    }
+
+
+def part_tokens_for(cfg: CacheConfig, hidden_size: int) -> int:
+    """Tokens per part: at most part_tokens, and small enough that one hidden array of a part
+    (= one shard file) stays within shard_bytes."""
+    row_bytes = hidden_size * (2 if cfg.dtype == "bfloat16" else 1)
+    return max(1, min(cfg.part_tokens, cfg.shard_bytes // row_bytes))
+
+
+def load_tokenizer(target_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_dir)
+
+
+def load_model(target_dir: Path, device: torch.device, compute: dict | None = None):
+    return load_causal_lm(target_dir, device, compute)
+
+
+def load_target(target_dir: Path, device: torch.device, compute: dict | None = None):
+    return load_tokenizer(target_dir), load_model(target_dir, device, compute)
+
+
+def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir: Path,
+                rank: int = 0, world: int = 1, device: torch.device | None = None,
+                prune_stale: bool | None = None, share=None, gather=None) -> dict:
+    """Compute and write every missing part of the store for `cfg.url` (store.store_url: the path
+    itself, or `<lake>/<store key>` on a remote URL); returns the stage report (rank 0's view,
+    `report["url"]` is the store written). Multi-rank: `share(value)` returns rank 0's value on every
+    rank (the job's lease run id, the derivation, the store snapshot) and `gather(value)` every rank's
+    value, in rank order, on every rank (the index shares, the counts); both also synchronise the ranks."""
+    from deepspec.cache.build.derive import Derivation, follow, prepare
+
+    t0 = time.time()
+    device = device or torch.device("cpu")
+    ident = load_identity(target_dir)
+    check_layers(layers, ident["num_layers"])
+    tokenizer = load_tokenizer(target_dir)
+    # the target is loaded only when a part has to be computed (a derive may need none)
+    model_box: dict = {}
+
+    def get_model():
+        if "model" not in model_box:
+            tm = time.time()
+            model_box["model"] = load_model(target_dir, device, compute)
+            model_box["load_s"] = time.time() - tm
+        return model_box["model"]
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    compute = compute_of(cfg, target_dir, device)
+    manifest = cache_manifest(cfg, layers, ident, compute)
+    url = store_url(cfg.url, manifest)
+    remote = is_remote(cfg.url)
+    if world > 1 and (share is None or gather is None):
+        raise ValueError("a multi-rank build needs `share` (rank 0's run id and store snapshot) and `gather` "
+                         "(every rank's share of the input index)")
+    run_id = new_run_id() if rank == 0 else None
+    if share is not None:
+        run_id = share(run_id)
+    writer = None
+    derivation = Derivation(url, url)
+    try:
+        if rank == 0:
+            if remote:
+                check_lake(cfg.url, cfg.storage_options)
+            t_derive = time.time()
+            derivation = prepare(cfg, manifest, url)  # where the store's parts can come from
+            derivation.started = t_derive
+            writer = CacheWriter(derivation.write_url, derivation.manifest(manifest), cfg.storage_options, rank=0,
+                                 prune_stale=prune_stale, run_id=run_id)
+        if world > 1:
+            # also the barrier: every rank writes where rank 0 does and derives from the same source
+            plan = share(derivation.plan if rank == 0 else None)
+            if rank > 0:
+                derivation = follow(url, plan, cfg.storage_options, manifest)
+                writer = CacheWriter(derivation.write_url, manifest, cfg.storage_options, rank=rank, run_id=run_id)
+        report = _build(writer, cfg, layers, regen_path, ident, tokenizer, get_model, pad_id, device,
+                        rank, world, share, gather, derivation.source)
+        writer.release()
+        derivation.finish()  # a local in-place derive: the new store takes the old one's place
+    except BaseException:
+        if writer is not None:
+            writer.release()
+        derivation.abort()
+        raise
+    report["url"] = url
+    report["wall_s"] = round(time.time() - t0, 2)
+    if rank == 0:
+        derive = derivation.report(report.pop("parts_computed"), report.pop("parts_derived"))
+        if derive["source"] is not None:
+            # the derive's own work: everything from choosing the source to the swap, less the target's
+            derive["wall_s"] = round(time.time() - derivation.started - model_box.get("load_s", 0.0)
+                                     - report["forward_s"], 2)
+        report["derive"] = derive
+        report["mode"] = "derived" if derive["parts_derived"] and not derive["parts_computed"] else \
+            "derived+computed" if derive["parts_derived"] else "computed"
+    return report
+
+
+class EmptyInput(CacheFormatError):
+    """The stage's input holds no sample to cache: it fails rather than keep an earlier store."""
+
+
+def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path: Path, ident: dict, tokenizer,
+           get_model, pad_id: int, device: torch.device, rank: int, world: int, share, gather,
+           source=None) -> dict:
+    """Write every planned part the store lacks: taken from `source` (deepspec.cache.build.derive) when it
+    holds a part of the same content, else computed with the target; then list exactly the planned
+    parts."""
+    # each rank tokenises an equal byte share of the input; the gathered shares are the index of the
+    # whole input on every rank, and the plan a pure function of it (no rank waits on work done for all)
+    rules = EncodeRules.of(cfg)
+    if world > 1:
+        start, end = line_ranges(regen_path, world)[rank]
+        shares = gather(index_share(tokenizer, regen_path, rules, start, end))
+    else:
+        shares = [index_share(tokenizer, regen_path, rules)]
+    index = merge_shares(regen_path, shares)  # every rank raises the same error for an unreadable row
+    plan = plan_store(index, part_tokens_for(cfg, ident["hidden_size"]))
+    # the parts the store has, and those of the rest the source holds (derived, not computed)
+    records = writer.committed_parts() if rank == 0 else {}
+    have = set(records)
+    derivable = {name for name, _ in plan if name not in have and name in source.by_name} \
+        if rank == 0 and source is not None else set()
+    if world > 1:
+        # also the barrier: every rank plans from rank 0's snapshot of both (names, not records), before
+        # any rank commits a part
+        have, derivable = share((have, derivable))
+    fingerprint = compute_fingerprint(device)
+    # what computed each part the new manifest lists: kept parts keep the fingerprint they were computed under
+    written_by = collections.Counter(str(records[name].get("computed_by", "unrecorded"))
+                                     for name, _ in plan if name in records)
+    other = sum(n for fp, n in written_by.items() if fp != fingerprint)
+    if other:
+        log.warning("cache: %d of the parts kept were computed under another software or hardware fingerprint "
+                    "(%s); this run computes under %s. Each part's states are those a from-scratch build gives "
+                    "under the fingerprint its commit record names (docs/cache-format.md §7)", other,
+                    "; ".join(fp for fp in written_by if fp != fingerprint), fingerprint)
+    todo = [(name, rows) for name, rows in plan if name not in have]
+    cached = int(sum(len(rows) for name, rows in plan if name in have))
+    if not len(index.lengths):
+        reasons = collections.Counter(d["reason"] for d in index.dropped)
+        why = "it has no rows" if not index.rows else \
+            f"all {index.rows} rows were dropped ({', '.join(f'{k}: {v}' for k, v in sorted(reasons.items()))})"
+        raise EmptyInput(f"{regen_path}: nothing to cache: {why}; check the regen stage's output "
+                         "(data/regen/train.jsonl and data/regen/errors.jsonl)")
+    # derivable and computed parts are shared among the ranks each on its own (a contiguous range of
+    # each), so a layer subset or dtype change under a multi-rank launcher spreads the derive over every
+    # rank and takes no target forward, and no rank derives while another computes everything
+    kinds = [t for t in todo if t[0] in derivable], [t for t in todo if t[0] not in derivable]
+    mine = [t for kind in kinds for t in kind[rank * len(kind) // world:(rank + 1) * len(kind) // world]]
+    log.info("cache: %d rows, %d usable, %d parts planned: %d already in the store (%d samples), %d to write "
+             "(%d on this rank)", index.rows, len(index.lengths), len(plan), len(plan) - len(todo), cached,
+             len(todo), len(mine))
+
+    forward_s, computed, derived, mine_by = 0.0, 0, 0, collections.Counter()
+    bar = progress(total=int(sum(index.lengths[rows].sum() for _, rows in mine)), unit="tok", desc=f"cache[{rank}]",
+               dynamic_ncols=True, disable=rank != 0 and world > 1)
+    try:
+        for name, samples in part_samples(tokenizer, index, mine, EncodeRules.of(cfg)):
+            part = source.part(name, samples) if source is not None else None
+            if part is None:
+                model = get_model()
+                tf = time.time()
+                part = compute_part(model, name, samples, layers, cfg.batch_tokens, pad_id, device, cfg.dtype,
+                                    writer=writer, computed_by=fingerprint)  # streamed: written as they come
+                forward_s += time.time() - tf
+                computed += 1
+            else:
+                writer.submit(part)
+                derived += 1
+            mine_by[part.computed_by or "unrecorded"] += 1
+            del samples  # the next part's samples are tokenised before this name is rebound
+            bar.update(part.tokens)
+        writer.close(consolidate=False)  # rank 0 consolidates once, below, after every rank
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+    counts = [(computed, derived, forward_s, mine_by)]
+    counts = gather(counts[0]) if world > 1 else counts  # also the barrier
+    computed, derived = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    forward_s = max(c[2] for c in counts)
+    for c in counts:
+        written_by.update(c[3])
+    report = {"rows": index.rows, "samples": len(index.lengths), "dropped": index.dropped,
+              "dropped_by_reason": dict(sorted(collections.Counter(d["reason"] for d in index.dropped).items())),
+              "adjusted": index.adjusted, "rows_indexed_by_rank": [sh.index.rows for sh in shares],
+              "parts": len(plan), "parts_kept": len(plan) - len(todo), "samples_kept": cached,
+              "forward_s": round(forward_s, 2), "parts_computed": computed, "parts_derived": derived,
+              "computed_by": dict(sorted(written_by.items()))}
+    if rank == 0:
+        # the planned parts, in plan order (other ranks' parts too); the parts of an earlier input
+        # leave the listing (and, locally, the store)
+        report["manifest"] = writer.write_manifest([name for name, _ in plan], rescan=world > 1)
+    return report

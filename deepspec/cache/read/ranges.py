@@ -1,0 +1,126 @@
+"""Byte ranges of a store's keys: `os.pread`/`preadv` on local files (an LRU of open descriptors),
+fsspec range requests otherwise and, on an async filesystem such as s3fs, many requests in flight
+on its own event loop (docs/scale.md, "S3 read-ahead").
+
+Retries on S3 are one layer, botocore's own ("standard" mode: throttling, 5xx, dropped connections,
+exponential backoff with jitter), configured here to `retries` retries; s3fs's retry loop around it
+is set to one attempt. (Before, a loop here around s3fs's five attempts around botocore's five made
+up to 100 requests of one range before a read failed.)"""
+from __future__ import annotations
+
+import collections
+import os
+import threading
+
+from deepspec.cache.spec.format import CacheFormatError
+from deepspec.cache.storage.urls import inside_store, is_remote, link_roots, storage_options_for
+
+MAX_OPEN_FILES = 256
+
+# A single preadv takes at most IOV_MAX buffers (1,024 on Linux); a read of more chunks is split.
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
+
+
+def preadv_all(fd: int, iov: list, offset: int) -> int:
+    """preadv over any number of buffers, IOV_MAX at a time; returns the bytes read (short on EOF)."""
+    got = 0
+    for i in range(0, len(iov), IOV_MAX):
+        batch = iov[i:i + IOV_MAX]
+        n = os.preadv(fd, batch, offset + got)
+        got += n
+        if n != sum(b.nbytes for b in batch):
+            break
+    return got
+
+
+class ByteRanges:
+    """Byte-range access to store keys: pread on local files (an LRU of open fds), fsspec otherwise."""
+
+    def __init__(self, url: str, storage_options: dict | None, cache_dir: str | None = None,
+                 retries: int = 3, connections: int = 0):
+        self.url = url.rstrip("/")
+        self.remote = is_remote(url)
+        self.retries = retries
+        self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.cached = self.async_reads = False
+        if self.remote:
+            import fsspec
+
+            options = storage_options_for(url, storage_options)
+            s3 = url.startswith("s3://")
+            if s3:
+                config = dict(options.get("config_kwargs") or {})
+                config.setdefault("retries", {"mode": "standard", "total_max_attempts": retries + 1})
+                if connections > 10:  # botocore's connection pool (10 by default) would cap the requests in flight
+                    config.setdefault("max_pool_connections", connections)
+                options["config_kwargs"] = config
+            fs, self.root = fsspec.core.url_to_fs(url, **options)
+            if s3:
+                fs.retries = 1  # s3fs's own loop: one attempt (botocore retries); an instance of these options only
+            if cache_dir:  # fsspec's own block cache: byte ranges are kept on local disk
+                fs = fsspec.filesystem("blockcache", fs=fs, cache_storage=cache_dir)
+            self.fs = fs
+            # the block cache forwards attributes it lacks to the wrapped filesystem, so it looks
+            # async (async_impl, _cat_file) and a coroutine read would go around the cache; and its
+            # metadata is not thread-safe (concurrent reads raise KeyError in fsspec): one at a time
+            self.cached = bool(cache_dir)
+            self.async_reads = bool(getattr(fs, "async_impl", False)) and not cache_dir
+        else:
+            self.root = url.removeprefix("file://")
+            self._roots = link_roots(self.root)
+
+    def fd(self, key: str) -> int:
+        """An open read-only descriptor of local file `key`, kept for the next read (the least
+        recently used one is closed past MAX_OPEN_FILES); the caller must not close it."""
+        with self._lock:
+            fd = self._fds.pop(key, None)
+            if fd is None:
+                fd = os.open(inside_store(self.root, key, self._roots), os.O_RDONLY)
+                if len(self._fds) >= MAX_OPEN_FILES:
+                    os.close(self._fds.popitem(last=False)[1])
+            self._fds[key] = fd
+            return fd
+
+    def size(self, key: str) -> int:
+        if self.remote:
+            return int(self.fs.size(f"{self.root}/{key}"))
+        return os.fstat(self.fd(key)).st_size
+
+    def read(self, key: str, start: int, end: int) -> bytes:
+        if self.remote:
+            return self.fs.cat_file(f"{self.root}/{key}", start=start, end=end)
+        data = os.pread(self.fd(key), end - start, start)
+        if len(data) != end - start:
+            raise CacheFormatError(f"{key}: short read ({len(data)} of {end - start} bytes at {start})")
+        return data
+
+    def read_ranges(self, ranges: list[tuple[str, int, int | None]], in_flight: int) -> list[bytes]:
+        """Many (key, start, end) ranges, up to `in_flight` requests at a time (each retried by botocore). An async filesystem (s3fs, ...) runs them as coroutines on its own event loop;
+        another remote one on threads; local files and fsspec's block cache one after another."""
+        if not self.remote or self.cached or in_flight <= 1 or len(ranges) <= 1:
+            return [self.read(*r) for r in ranges]
+        if not self.async_reads:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(in_flight, len(ranges))) as pool:
+                return list(pool.map(lambda r: self.read(*r), ranges))
+        import asyncio
+
+        from fsspec.asyn import sync
+
+        async def fetch(gate, key: str, start: int, end: int) -> bytes:
+            async with gate:
+                return await self.fs._cat_file(f"{self.root}/{key}", start=start, end=end)
+
+        async def gather() -> list[bytes]:
+            gate = asyncio.Semaphore(in_flight)
+            return await asyncio.gather(*(fetch(gate, *r) for r in ranges))
+
+        return sync(self.fs.loop, gather)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()

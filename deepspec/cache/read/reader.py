@@ -1,0 +1,285 @@
+"""Reading cache samples: `CacheReader`, random access to the samples of every committed part of a
+store, whichever backend holds it. Arrays whose layout the fast path recognises are read by
+shard_reader.ShardReader (one pread or range request per sample's chunk run, every chunk's checksum
+checked, on helper threads with `check_threads`); the others are read through zarr-python or h5py.
+Nothing unchecked leaves a `CacheReader.read` or a dataset item.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from deepspec.cache.backends.base import ArrayLayout, CacheStore, split_index
+from deepspec.cache.storage.bounded import BoundedCache
+from deepspec.cache.spec.format import CacheFormatError, array_shape, hidden_name, sample_keys, scale_name
+from deepspec.cache.spec.manifest import Manifest, PartEntry, manifest_mismatch
+from deepspec.cache.read.ranges import ByteRanges
+from deepspec.cache.read.shards import ShardReader
+from deepspec.cache.backends.readers import open_cache
+
+
+_UNKNOWN = object()  # a layout not looked up yet (None is a known one: read through the library)
+
+
+class CacheReader:
+    """Random access to samples across all committed parts of a store, in manifest order, whichever
+    backend holds it (stores.open_cache).
+
+    Picklable and fork-safe: the store is opened lazily in whichever process first reads.
+    `check_threads` (set_check_threads): threads that check crc32c of local reads, 0 = in the
+    reading thread.
+    """
+
+    # one helper keeps up with one reading thread (crc32c runs at 2-3x a page-cache copy); a second
+    # measured no faster (benchmarks/loader.py --checks, checks_on_2t); a single CPU checks inline
+    check_threads: int = 1 if (os.cpu_count() or 1) > 1 else 0
+    # remote stores: byte-range requests kept in flight by read_arrays (a sample's arrays, a batch's
+    # samples), and the most bytes one request asks for (a large array is cut into several)
+    read_ahead: int = 16
+    range_bytes: int = 4 << 20
+
+    def __init__(self, url: str, storage_options: dict | None = None, expect: dict | None = None,
+                 verify: bool = True, fast: bool = True, cache_dir: str | None = None,
+                 manifest: dict | None = None):
+        """`manifest`: read the parts and index this manifest lists (the one the cache stage recorded,
+        data/cache/manifest.json) instead of the ones the store's root lists now: in a lake another
+        experiment may have switched the root to its own samples since. Its content fields must be
+        the store's."""
+        self.url = url
+        self.storage_options = storage_options
+        self.cache_dir = cache_dir
+        self.verify = verify
+        self.fast = fast
+        self.store: CacheStore = open_cache(url, storage_options)
+        self.manifest = self.store.read_manifest()
+        if manifest is not None:
+            pinned = Manifest.from_dict({k: v for k, v in manifest.items() if k != "url"}, url)
+            why = manifest_mismatch(self.manifest, pinned)
+            if why:
+                raise CacheFormatError(f"{url}: the store's content is not the recorded manifest's ({why})")
+            if pinned.format_version >= 3 and (pinned.index is None and pinned.parts):
+                raise CacheFormatError(f"{url}: the recorded manifest lists parts but no index")
+            self.manifest = pinned
+        if expect:
+            why = manifest_mismatch(self.manifest, dict(self.manifest, **expect))
+            if why:
+                raise CacheFormatError(f"{url}: cache does not match what this run expects ({why})")
+        self.entries: list[PartEntry] = list(self.manifest.parts)
+        self.parts = [p.name for p in self.entries]
+        counts = np.array([p.samples for p in self.entries], dtype=np.int64)
+        self.part_start = np.concatenate([[0], np.cumsum(counts)])
+        self.layers = list(self.manifest.layers)
+        self.dtype = self.manifest.dtype
+        self.storage = self.manifest.storage
+        self._state = None  # (pid, store, files, shard reader, layouts) per process
+        # v2: one read of the consolidated per-sample index (or the rows listed from an unconsolidated
+        # store's commit records); v1: every part's offsets and sample ids, part by part
+        if manifest is not None and self.manifest.format_version >= 3 and self.manifest.index is not None:
+            key = self.manifest.index["key"]
+            if key not in {self.store.index_key(n) for n in self.store.index_keys()}:
+                raise CacheFormatError(f"{url}: the recorded manifest's index {key} is no longer in the store (it "
+                                       "was rebuilt for other input since): rerun the cache stage")
+        index = self.store.open_index(self.manifest)
+        self._keys = None  # per part, uint64 [n, 2] content keys (v3); None for older stores
+        if index is not None:
+            self._offsets, self._ids, self._keys = split_index(index, self.entries, url)
+        else:
+            self._offsets = [self.read_array(p, "offsets", 0, e.samples + 1) for p, e in enumerate(self.entries)]
+            self._ids = [self.read_array(p, "sample_id", 0, e.samples) for p, e in enumerate(self.entries)]
+            for e, o in zip(self.entries, self._offsets):  # sample lengths size every read: they must tile the part
+                if e.samples and (o[0] != 0 or o[-1] != e.tokens or (np.diff(o) < 1).any()):
+                    raise CacheFormatError(f"{url}: parts/{e.name}: offsets do not tile its {e.tokens} tokens")
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_state"] = None
+        return state
+
+    def __len__(self) -> int:
+        return int(self.part_start[-1])
+
+    def _process_state(self):
+        pid = os.getpid()
+        if self._state is None or self._state[0] != pid:
+            files = ByteRanges(self.url, self.storage_options, self.cache_dir, connections=self.read_ahead)
+            # the layouts of the arrays this process touched (an HDF5 layout holds its chunk table): bounded
+            self._state = (pid, self.store, files, ShardReader(files, self.verify, check_threads=self.check_threads),
+                           BoundedCache(self.LAYOUT_BYTES))
+        return self._state
+
+    def lengths(self) -> np.ndarray:
+        return np.concatenate([np.diff(o) for o in self._offsets]) if self._offsets else np.zeros(0, np.int64)
+
+    def sample_ids(self) -> np.ndarray:
+        return np.concatenate(self._ids) if self._ids else np.zeros(0, np.uint64)
+
+    def keys(self) -> np.ndarray | None:
+        """uint64 [samples, 2]: every sample's content key (format.sample_key), in store order; None
+        for a store written before format v3."""
+        if self._keys is None:
+            return None
+        return np.concatenate(self._keys) if self._keys else np.zeros((0, 2), np.uint64)
+
+    # ---- one part's rows (what derive, verify and convert need of a part) ------------------------
+    def part_offsets(self, part: int) -> np.ndarray:
+        """int64 [n + 1]: the token offsets of part `part`'s samples."""
+        return self._offsets[part]
+
+    def part_sample_ids(self, part: int) -> np.ndarray:
+        return self._ids[part]
+
+    def part_keys(self, part: int) -> np.ndarray:
+        """uint64 [n, 2]: the content keys of part `part`'s samples: the index's (v3), else computed
+        from the part's token ids and loss mask."""
+        if self._keys is not None:
+            return self._keys[part]
+        tokens = int(self._offsets[part][-1])
+        return sample_keys(self.read_array(part, "input_ids", 0, tokens), self.read_array(part, "loss_mask", 0, tokens),
+                           np.diff(self._offsets[part]))
+
+    def shard_reader(self) -> "ShardReader":
+        """This process's shard reader (verify turns on its strict checks)."""
+        return self._process_state()[3]
+
+    def array_layout(self, part: int, name: str) -> ArrayLayout | None:
+        """The fast path's layout of one array of one part (None: read through the library)."""
+        return self._layout(part, name)
+
+    def sample_id(self, index: int) -> int:
+        part, _, _ = self.locate(index)
+        return int(self._ids[part][index - int(self.part_start[part])])
+
+    def locate(self, index: int) -> tuple[int, int, int]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} out of range (store has {len(self)})")
+        part = int(np.searchsorted(self.part_start, index, side="right") - 1)
+        local = index - int(self.part_start[part])
+        offsets = self._offsets[part]
+        return part, int(offsets[local]), int(offsets[local + 1])
+
+    def _expected(self, part: int, name: str) -> tuple[np.dtype, tuple]:
+        e, m = self.entries[part], self.manifest
+        return array_shape(name, e.samples, e.tokens, m.hidden_size, m.dtype)
+
+    LAYOUT_BYTES = 16 << 20
+
+    def _layout(self, part: int, name: str) -> ArrayLayout | None:
+        _, store, _, _, layouts = self._process_state()
+        path = f"parts/{self.parts[part]}/{name}"
+        layout = layouts.get(path, _UNKNOWN)
+        if layout is not _UNKNOWN:
+            return layout
+        layout = store.layout(self.entries[part], name) if self.fast else None
+        if layout is not None:
+            self._check_declared(part, name, layout.dtype, tuple(layout.shape))
+            c = layout.chunk_rows
+            if not (isinstance(c, int) and c >= 1 and (layout.n_chunks - 1) * c < max(layout.shape[0], 1)
+                    <= layout.n_chunks * c) or (layout.table is not None and layout.table.shape != (layout.n_chunks, 2)):
+                raise CacheFormatError(f"{self.url}: {path}: chunking ({layout.n_chunks} chunks of {c} rows) "
+                                       f"does not cover its {layout.shape[0]} rows")
+        layouts[path] = layout
+        return layout
+
+    def _check_declared(self, part: int, name: str, dtype, shape: tuple) -> None:
+        """A part's arrays are sized by what the manifest says, never by what they declare themselves."""
+        want_dtype, want_shape = self._expected(part, name)
+        if np.dtype(dtype).newbyteorder("=") != want_dtype or tuple(shape) != want_shape:
+            raise CacheFormatError(f"{self.url}: parts/{self.parts[part]}/{name}: declares {np.dtype(dtype).str} "
+                                   f"{list(shape)}; the manifest makes it {want_dtype.str} {list(want_shape)}")
+
+    def read_array(self, part: int, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, stop) of one array of one part (into `out` when given)."""
+        _, store, _, shards, _ = self._process_state()
+        layout = self._layout(part, name)
+        if layout is not None:
+            if stop > layout.shape[0]:
+                raise CacheFormatError(f"{layout.name or layout.key}: rows {start}..{stop} past its {layout.shape[0]} rows")
+            return shards.read_rows(layout, start, stop, out)
+        _, _, _, _, layouts = self._process_state()
+        declared = f"parts/{self.parts[part]}/{name}#declared"
+        if declared not in layouts:
+            self._check_declared(part, name, *store.declared(self.entries[part], name))
+            layouts[declared] = None
+        values = store.read_slow(self.entries[part], name, start, stop)
+        if len(values) != stop - start:
+            raise CacheFormatError(f"{self.url}: parts/{self.parts[part]}/{name}: rows {start}..{stop} past its end")
+        if out is None:
+            return values
+        out[...] = values
+        return out
+
+    def read(self, index: int, layers: list[int] | None = None, fields=("input_ids", "loss_mask", "hidden",
+                                                                      "last_hidden")) -> dict:
+        """Raw stored arrays of one sample: bits stay bits (see format.decode_hidden)."""
+        part, start, stop = self.locate(index)
+        layers = self.layers if layers is None else layers
+        missing = [i for i in layers if i not in self.layers]
+        if missing:
+            raise CacheFormatError(f"layers {missing} are not in this cache (cached layers: {self.layers})")
+        keys = [f for f in ("input_ids", "loss_mask") if f in fields]
+        arrays = list(keys)
+        names = ([(i, i) for i in layers] if "hidden" in fields else []) + \
+                ([("last", "last")] if "last_hidden" in fields else [])
+        for key, layer in names:
+            arrays.append(hidden_name(layer))
+            if self.dtype != "bfloat16":
+                arrays.append(scale_name(layer))
+        with self.checked():
+            values = dict(zip(arrays, self.read_arrays([(part, a, start, stop, None) for a in arrays])))
+        out: dict = {k: values[k] for k in keys}
+        for key, layer in names:
+            out[key] = (values[hidden_name(layer)], values.get(scale_name(layer)))
+        return out
+
+    def memory(self) -> dict:
+        """What this process keeps of the parts it has touched (cache/bounded.py), per cache: bytes,
+        entries, evictions and the bound."""
+        _, store, _, shards, layouts = self._process_state()
+        caches = {"layouts": layouts, "shard_indexes": shards.tables}
+        if isinstance(getattr(store, "tables", None), BoundedCache):
+            caches["hdf5_chunk_tables"] = store.tables
+        return {name: {"bytes": c.bytes, "entries": len(c), "evictions": c.evictions, "max_bytes": c.max_bytes}
+                for name, c in caches.items()}
+
+    def set_check_threads(self, n: int) -> None:
+        """Threads checking crc32c of local reads from now on (0: in the reading thread)."""
+        self.check_threads = n
+        if self._state is not None:  # the open-time reads already made this process's shard reader
+            self._state[3].set_check_threads(n)
+
+    def set_read_ahead(self, requests: int, range_bytes: int | None = None) -> None:
+        """Requests in flight (and the bytes of each) for remote reads from now on."""
+        if requests < 1 or (range_bytes is not None and range_bytes < 1):
+            raise ValueError(f"read_ahead must be >= 1 request and range_bytes >= 1 (got {requests}, {range_bytes})")
+        grow = requests > self.read_ahead
+        self.read_ahead = requests
+        self.range_bytes = range_bytes or self.range_bytes
+        if grow and self._state is not None and self._state[2].remote:
+            self._state = None  # a new client, with a connection pool that large, on the next read
+
+    def read_arrays(self, requests: list[tuple]) -> list[np.ndarray]:
+        """read_array for each (part, name, start, stop, out) of `requests`. On a remote store the
+        byte ranges of all of them are fetched with up to `read_ahead` requests in flight."""
+        _, store, files, shards, _ = self._process_state()
+        if not files.remote or self.read_ahead <= 1:
+            return [self.read_array(*r) for r in requests]
+        results: list = [None] * len(requests)
+        fast = []
+        for i, (part, name, start, stop, out) in enumerate(requests):
+            layout = self._layout(part, name)
+            if layout is None:
+                results[i] = self.read_array(part, name, start, stop, out)
+                continue
+            if stop > layout.shape[0]:
+                raise CacheFormatError(f"{layout.name or layout.key}: rows {start}..{stop} past its {layout.shape[0]} rows")
+            fast.append((i, (layout, start, stop, out)))
+        got = shards.read_rows_many([r for _, r in fast], self.read_ahead, self.range_bytes)
+        for (i, _), values in zip(fast, got):
+            results[i] = values
+        return results
+
+    def checked(self):
+        """A block of reads whose checksums run alongside the next reads and are all settled (a
+        ChecksumError raised) when the block exits; arrays read inside are not to be used before."""
+        return self._process_state()[3].deferred()

@@ -1,0 +1,304 @@
+"""The fast read path: row ranges of one array of one part read straight from its shard file (Zarr)
+or part file (HDF5), checked and decoded without zarr-python; CacheReader (reader.py) hands it the
+arrays whose layout it recognises and reads the others through the store's library.
+
+zarr-python's array API pays Python overhead per inner chunk; reading one sample through it is
+several times slower than reading the same bytes from a flat file. The fast path stays inside the
+Zarr v3 format: it caches each shard's index, reads a sample's contiguous chunk range with one
+`os.pread` (local) or one range request (fsspec), checks every chunk's crc32c and decodes with the
+array's own codec chain.
+
+Checking costs about half as much CPU as reading the bytes from the page cache (crc32c ~10-12 GB/s
+over memory not in the CPU's caches, a page-cache copy ~6 GB/s on one core), so done in the reading
+thread it takes a third of a local read. With `check_threads` the checks of uncompressed local
+arrays run on helper threads (deepspec/cache/read/checks.py; crc32c releases the GIL): an array is read
+in runs and each run's
+check overlaps the read of the next; inside `ShardReader.deferred()` the checks of one array
+overlap the reads of the next array too. The block's exit checks what is left on its own thread
+as well, waits for the rest and raises the first mismatch, so nothing unchecked leaves a
+`CacheReader.read` or a dataset item.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from deepspec.cache.backends.base import ArrayLayout, fletcher32_matches
+from deepspec.cache.storage.bounded import BoundedCache
+from deepspec.cache.read.checks import Batch, ChecksumError, checker, first_bad, mismatch
+from deepspec.cache.spec.format import CacheFormatError
+from deepspec.cache.read.ranges import ByteRanges, preadv_all
+from deepspec.cache.backends.zarr.layout import EMPTY
+
+from crc32c import crc32c as _crc32c
+
+
+# Bytes of chunks one checksum task checks: big enough that a task's overhead (a queue put and two
+# GIL hand-overs) is small next to its crc32c (~0.1 ms), small enough that the last array of a
+# sample splits between a helper and the waiting thread.
+CHECK_BYTES = 2 << 20
+
+
+class ShardReader:
+    """Row ranges of single-shard arrays, read and checked without zarr-python on the hot path."""
+
+    def __init__(self, files: ByteRanges, verify: bool = True, strict: bool = False, check_threads: int = 0):
+        self.files = files
+        self.verify = verify
+        self.check_threads = check_threads
+        self._checker = None    # created on first use, in the process that reads
+        self._pending = None    # the checks.Batch of an open deferred() block
+        # strict (`deepspec cache verify`): an HDF5 chunk's own Fletcher-32 is checked as well as
+        # the crc32c recorded for it in the chunk table
+        self.strict = strict
+        # per array: (chunk index [n_chunks, 2], dense: every chunk present and stored back to back, in
+        # order); bounded, least recently used out (bounded.py): a process reads a whole store per epoch
+        self.tables = BoundedCache(self.TABLE_BYTES)
+
+    # chunk indexes kept per process (a reference-size part's array: ~256 KB). A sampler that draws from
+    # thousands of parts misses whatever the bound; a larger one only helps reads that stay in a part
+    TABLE_BYTES = 16 << 20
+
+    def index(self, layout: ArrayLayout) -> np.ndarray:
+        return self._table(layout)[0]
+
+    def _table(self, layout: ArrayLayout) -> tuple[np.ndarray, bool]:
+        got = self.tables.get(layout.key if layout.table is None else layout.name)
+        if got is not None:
+            return got
+        if layout.table is not None:  # recorded when the part committed (HDF5)
+            idx = layout.table
+            row = layout.chunk_rows * layout.row_bytes + 4
+            got = (idx, bool(len(idx) and (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all() and (idx[:, 1] == row).all()))
+            self.tables[layout.name] = got
+            return got
+        nbytes = 16 * layout.n_chunks + 4
+        size = self.files.size(layout.key)
+        if size < nbytes:
+            raise CacheFormatError(f"{layout.name or layout.key}: {size} bytes cannot hold the index of its "
+                                   f"{layout.n_chunks} chunks")
+        return self._keep_index(layout, self.files.read(layout.key, size - nbytes, size))
+
+    def _keep_index(self, layout: ArrayLayout, raw: bytes) -> tuple[np.ndarray, bool]:
+        """A Zarr shard's index (the last 16 * n_chunks + 4 bytes of its file), checked and kept."""
+        body, crc = raw[:-4], int.from_bytes(raw[-4:], "little")
+        if len(raw) != 16 * layout.n_chunks + 4 or _crc32c(body) != crc:
+            raise ChecksumError(f"{layout.key}: shard index checksum mismatch")
+        idx = np.frombuffer(body, dtype="<u8").reshape(layout.n_chunks, 2)
+        got = (idx, bool((idx[:, 0] != EMPTY).all() and idx[0, 0] == 0 and (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all()))
+        self.tables[layout.key] = got
+        return got
+
+    def prefetch_indexes(self, layouts: list[ArrayLayout], in_flight: int) -> None:
+        """Zarr shard indexes not read yet, fetched together: one suffix-range request each (the
+        file's size is not needed), up to `in_flight` at a time. Only on an async filesystem; elsewhere
+        index() reads each when first used."""
+        todo = list({lay.key: lay for lay in layouts if lay.table is None and lay.key not in self.tables}.values())
+        if len(todo) < 2 or not self.files.remote or not self.files.async_reads:
+            return
+        raws = self.files.read_ranges([(lay.key, -(16 * lay.n_chunks + 4), None) for lay in todo], in_flight)
+        for lay, raw in zip(todo, raws):
+            self._keep_index(lay, raw)
+
+    def _decode(self, layout: ArrayLayout, payload: memoryview, chunk: int) -> np.ndarray:
+        body = payload[:-4]
+        if self.verify:
+            if layout.crcs is not None:  # HDF5: crc32c from the chunk table (+ Fletcher-32 when strict)
+                ok = _crc32c(body) == int(layout.crcs[chunk])
+                ok = ok and (not self.strict or fletcher32_matches(body, bytes(payload[-4:])))
+            elif layout.checksum == "fletcher32":
+                ok = fletcher32_matches(body, bytes(payload[-4:]))
+            else:
+                ok = _crc32c(body) == int.from_bytes(payload[-4:], "little")
+            if not ok:
+                raise mismatch(layout.name or layout.key, chunk)
+        if layout.blosc:
+            from numcodecs import blosc
+
+            body = bytes(body)
+            # Blosc's 16-byte header: version, versionlz, flags, typesize, then nbytes, blocksize, cbytes
+            # (uint32 LE); decompress() allocates nbytes, so the chunk's size comes from the layout
+            declared = int.from_bytes(body[4:8], "little") if len(body) >= 16 else -1
+            if declared != layout.chunk_rows * layout.row_bytes or int.from_bytes(body[12:16], "little") != len(body):
+                raise CacheFormatError(f"{layout.name or layout.key}: chunk {chunk}: its Blosc header declares "
+                                       f"{declared} bytes in {len(body)}; a chunk is {layout.chunk_rows * layout.row_bytes}")
+            body = blosc.decompress(body)
+        return np.frombuffer(body, dtype=layout.dtype)
+
+    def read_rows(self, layout: ArrayLayout, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, stop) into `out` (a new array when None)."""
+        row_shape = layout.shape[1:]
+        if out is None:
+            out = np.empty((stop - start, *row_shape), dtype=layout.dtype.newbyteorder("="))
+        if stop <= start:
+            return out
+        c0, c1 = start // layout.chunk_rows, (stop - 1) // layout.chunk_rows
+        idx, dense = self._table(layout)
+        offs, sizes = idx[c0:c1 + 1, 0], idx[c0:c1 + 1, 1]
+        if (not layout.blosc and not self.files.remote and out.flags.c_contiguous and layout.dtype.isnative
+                and not (self.verify and layout.checksum == "fletcher32"
+                         and (self.strict or layout.crcs is None))):
+            gaps = None
+            if not dense and layout.table is not None:  # HDF5 puts a few KB of metadata after a chunk or two
+                gaps = offs[1:].astype(np.int64) - (offs[:-1] + sizes[:-1]).astype(np.int64)
+                full = layout.chunk_rows * layout.row_bytes + 4
+                dense = bool((sizes == full).all() and (gaps >= 0).all() and gaps.sum() <= (64 << 10))
+            if dense:
+                return self._scatter(layout, start, stop, c0, c1, int(idx[c0, 0]), out, gaps)
+        spans = self._spans(layout, c0, c1, offs, sizes)
+        payloads = [memoryview(self.files.read(layout.key, a, b)) for a, b in spans]
+        return self._fill(layout, start, stop, c0, c1, offs, sizes, spans, payloads, out)
+
+    def read_rows_many(self, requests: list[tuple], in_flight: int, range_bytes: int) -> list[np.ndarray]:
+        """read_rows for each (layout, start, stop, out) of `requests`, with their byte ranges (cut to
+        at most `range_bytes`) fetched up to `in_flight` at a time (ByteRanges.read_ranges); each array
+        is then checked and decoded exactly as read_rows does."""
+        self.prefetch_indexes([r[0] for r in requests if r[2] > r[1]], in_flight)
+        plans, ranges = [], []
+        for layout, start, stop, out in requests:
+            if out is None:
+                out = np.empty((max(0, stop - start), *layout.shape[1:]), dtype=layout.dtype.newbyteorder("="))
+            if stop <= start:
+                plans.append((layout, start, stop, out, None))
+                continue
+            c0, c1 = start // layout.chunk_rows, (stop - 1) // layout.chunk_rows
+            idx = self.index(layout)
+            offs, sizes = idx[c0:c1 + 1, 0], idx[c0:c1 + 1, 1]
+            spans = self._spans(layout, c0, c1, offs, sizes)
+            pieces = []  # per span: the indices of its pieces in `ranges`
+            for a, b in spans:
+                pieces.append(range(len(ranges), len(ranges) + -(-(b - a) // range_bytes)))
+                ranges += [(layout.key, x, min(b, x + range_bytes)) for x in range(a, b, range_bytes)]
+            plans.append((layout, start, stop, out, (c0, c1, offs, sizes, spans, pieces)))
+        data = self.files.read_ranges(ranges, in_flight)
+        result = []
+        for layout, start, stop, out, plan in plans:
+            if plan is not None:
+                c0, c1, offs, sizes, spans, pieces = plan
+                payloads = [memoryview(data[p[0]] if len(p) == 1 else b"".join(data[i] for i in p)) for p in pieces]
+                for (a, b), payload in zip(spans, payloads):
+                    if len(payload) != b - a:
+                        raise CacheFormatError(f"{layout.key}: short read ({len(payload)} of {b - a} bytes at {a})")
+                self._fill(layout, start, stop, c0, c1, offs, sizes, spans, payloads, out)
+            result.append(out)
+        return result
+
+    @staticmethod
+    def _spans(layout: ArrayLayout, c0: int, c1: int, offs: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int]]:
+        """The byte ranges holding chunks c0..c1: one for the whole run of chunks, also across small
+        gaps (HDF5 may place a few KB of metadata between two chunks), since one request beats
+        several on an object store; else one per chunk."""
+        if (offs == EMPTY).any():
+            raise CacheFormatError(f"{layout.name or layout.key}: chunks {c0}..{c1} include an unwritten chunk")
+        base, end = int(offs.min()), int((offs + sizes).max())
+        if end - base <= int(sizes.sum()) + (64 << 10):
+            return [(base, end)]
+        return [(int(o), int(o + n)) for o, n in zip(offs, sizes)]
+
+    def _fill(self, layout: ArrayLayout, start: int, stop: int, c0: int, c1: int, offs: np.ndarray,
+              sizes: np.ndarray, spans: list, payloads: list, out: np.ndarray) -> np.ndarray:
+        """Check and decode chunks c0..c1, held by the bytes of `spans` (_spans), into rows
+        [start, stop) of `out`."""
+        row_shape, per_chunk = layout.shape[1:], layout.chunk_rows
+        base = spans[0][0]
+        for k, c in enumerate(range(c0, c1 + 1)):
+            off, size = int(offs[k]), int(sizes[k])
+            payload = payloads[0][off - base:off - base + size] if len(spans) == 1 else payloads[k]
+            values = self._decode(layout, payload, c).reshape(per_chunk, *row_shape)
+            lo, hi = max(start, c * per_chunk), min(stop, (c + 1) * per_chunk)
+            out[lo - start:hi - start] = values[lo - c * per_chunk:hi - c * per_chunk]
+        return out
+
+    def _scatter(self, layout: ArrayLayout, start: int, stop: int, c0: int, c1: int, base: int,
+                 out: np.ndarray, gaps: np.ndarray | None = None) -> np.ndarray:
+        """Uncompressed local chunks: preadv puts the requested rows straight into `out` (rows of
+        the first/last chunk outside the range, the checksum trailers and any bytes between two
+        chunks (`gaps`) go to scratch), and the chunks are checked against their crc32c trailers
+        (Zarr) or the chunk table's crc32c (HDF5, whose trailer is Fletcher-32) a run of chunks at
+        a time (checks.first_bad): after one preadv in this thread, or, with checksum threads, one
+        preadv per run of about CHECK_BYTES, each run's check handed off as soon as it is read."""
+        C = layout.chunk_rows
+        row_bytes = layout.row_bytes
+        dst = memoryview(out.reshape(-1).view(np.uint8))
+        lead_rows = start - c0 * C
+        tail_rows = (c1 + 1) * C - stop
+        lead = memoryview(bytearray(lead_rows * row_bytes))
+        tail = memoryview(bytearray(tail_rows * row_bytes))
+        crcs = bytearray(4 * (c1 - c0 + 1))
+        crc_view = memoryview(crcs)
+        iov = []
+        ends = []  # per chunk: (iov entries, file bytes) up to the end of its trailer
+        pos = 0  # byte position within `dst`
+        skipped = 0
+        for k, c in enumerate(range(c0, c1 + 1)):
+            lo, hi = max(start, c * C), min(stop, (c + 1) * C)
+            n = (hi - lo) * row_bytes
+            if k and gaps is not None and gaps[k - 1]:
+                iov.append(memoryview(bytearray(int(gaps[k - 1]))))
+                skipped += int(gaps[k - 1])
+            if k == 0 and lead_rows:
+                iov.append(lead)
+            iov.append(dst[pos:pos + n])
+            if k == c1 - c0 and tail_rows:
+                iov.append(tail)
+            pos += n
+            iov.append(crc_view[4 * k:4 * k + 4])
+            ends.append((len(iov), (k + 1) * (C * row_bytes + 4) + skipped))
+        want = ends[-1][1]  # uncompressed: every chunk is full size + trailer
+        fd = self.files.fd(layout.key)
+        n_chunks = c1 - c0 + 1
+        threaded = self.verify and self.check_threads and want >= CHECK_BYTES // 8  # not worth a thread for a few KB
+        step = max(1, CHECK_BYTES // (C * row_bytes + 4)) if threaded else n_chunks
+        if self.verify:
+            # chunk k's bytes: lead (k = 0) + dst[first[k]:first[k + 1]] + tail (last k)
+            first = [0] + [((c + 1) * C - start) * row_bytes for c in range(c0, c1)] + [pos]
+            stored = crc_view if layout.crcs is None else memoryview(layout.crcs[c0:c1 + 1].astype("<u4").tobytes())
+            name = layout.name or layout.key
+        batch = (self._pending or self._batch()) if threaded else None
+        for k in range(0, n_chunks, step):
+            # threaded: a run's check is handed off as soon as its bytes are in, so at the end of a
+            # read only the last run is left to check, not the whole array
+            k1 = min(k + step, n_chunks)
+            (i0, b0), (i1, b1) = ends[k - 1] if k else (0, 0), ends[k1 - 1]
+            got = preadv_all(fd, iov[i0:i1], base + b0)
+            if got != b1 - b0:
+                raise CacheFormatError(f"{layout.key}: short read ({b0 + got} of {want} bytes at {base})")
+            if not self.verify:
+                continue
+            segments = [lead] if k == 0 and lead_rows else []
+            segments.append(dst[first[k]:first[k1]])
+            if k1 == n_chunks and tail_rows:
+                segments.append(tail)
+            if batch is not None:
+                batch.check(stored[4 * k:4 * k1], C * row_bytes, segments, name, c0 + k)
+            elif (bad := first_bad(stored[4 * k:4 * k1], C * row_bytes, segments)) >= 0:
+                raise mismatch(name, c0 + k + bad)
+        if batch is not None and batch is not self._pending:
+            batch.wait()
+        return out
+
+    def set_check_threads(self, n: int) -> None:
+        if n != self.check_threads:
+            self.check_threads, self._checker = n, None  # the old checker's threads end with it
+
+    def _batch(self) -> Batch:
+        if self._checker is None:
+            self._checker = checker(self.check_threads)
+        return self._checker.batch()
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Checks of the arrays read inside the block may still be running when a read returns; the
+        block's exit waits for all of them and raises the first mismatch. Nested blocks join the outer one."""
+        if self._pending is not None or not (self.verify and self.check_threads):
+            yield
+            return
+        self._pending = self._batch()
+        try:
+            yield
+        except BaseException:
+            self._pending = None  # its checks still run; nobody waits for them
+            raise
+        batch, self._pending = self._pending, None
+        batch.wait()
