@@ -144,3 +144,16 @@ def test_each_part_records_the_fingerprint_it_was_computed_under_and_derived_par
     assert derived["mode"] == "derived"
     assert derived["computed_by"] == {fp: report["parts"] - 1,
                                       "torch=2.99 transformers=9.9 cuda=13.0 device=NVIDIA H200 sm_90": 1}
+
+
+def test_a_converted_store_keeps_each_parts_fingerprint(tmp_path, trained_target):
+    from deepspec.cache.backends.readers import open_cache
+    from deepspec.cache.tools.convert import convert
+
+    work = workdir(tmp_path, trained_target, rows())
+    report = build(work, **BASE)
+    src = open_cache(report["url"])
+    convert(report["url"], str(tmp_path / "store.h5"))
+    dst = open_cache(str(tmp_path / "store.h5"))
+    names = list(CacheReader(report["url"]).parts)
+    assert [dst.computed_by(n) for n in names] == [src.computed_by(n) for n in names] != [None] * len(names)

@@ -178,6 +178,11 @@ class CacheStore(ABC):
     def array_rows(self, part: PartEntry, array: str) -> int: ...
 
     @abstractmethod
+    def computed_by(self, name: str) -> str | None:
+        """The fingerprint part `name`'s commit record names (docs/cache-format.md §7), or None: one
+        small read of that part alone."""
+
+    @abstractmethod
     def declared(self, part: PartEntry, array: str) -> tuple[np.dtype, tuple]:
         """The dtype and shape a part's array declares in the store (the reader checks them against the manifest)."""
 

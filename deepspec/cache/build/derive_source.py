@@ -57,7 +57,6 @@ class Source:
         self.seconds = 0.0  # time spent deriving (reading, re-encoding, linking), in both threads
         self.methods: set[str] = set()
         self._fs = None
-        self._records: dict | None = None  # the source's commit records, read at the first derived part
 
     def release(self) -> None:
         if self.lease is not None:
@@ -94,13 +93,6 @@ class Source:
         finally:
             self.seconds += time.time() - t0
 
-    def computed_by(self, k: int) -> str | None:
-        """The fingerprint the source's k-th part was computed under (None: not recorded)."""
-        if self._records is None:
-            self._records = self.reader.store.committed_parts()
-        got = self._records.get(self.reader.parts[k], {}).get("computed_by")
-        return None if got is None else str(got)
-
     def _assemble(self, k: int, name: str) -> PartData:
         r = self.reader
         offsets = r.part_offsets(k)
@@ -109,7 +101,7 @@ class Source:
                         keys=r.part_keys(k), lengths=np.diff(offsets).astype(np.int64),
                         input_ids=r.read_array(k, "input_ids", 0, tokens),
                         loss_mask=r.read_array(k, "loss_mask", 0, tokens),
-                        computed_by=self.computed_by(k))  # the bits are the source's: so is their origin
+                        computed_by=r.store.computed_by(r.parts[k]))  # the source's bits: and their origin
         layers, dtype = self.want["layers"], self.want["dtype"]
         if self.link:
             # a part written before v3 has no sample_key array: the writer writes it (from `keys`)

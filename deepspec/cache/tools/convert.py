@@ -36,7 +36,6 @@ def convert(src: str, dst: str, storage: str | None = None, codec: str | None = 
     if chunk_tokens is not None:
         m["chunk_tokens"] = chunk_tokens
     fp8 = reader.dtype != "bfloat16"
-    records = reader.store.committed_parts()  # each part's computed_by travels with its bits
     order = []
     with CacheWriter(dst, m, dst_options, queue_size=1, prune_stale=False) as writer:
         for p, entry in enumerate(reader.entries):
@@ -51,7 +50,7 @@ def convert(src: str, dst: str, storage: str | None = None, codec: str | None = 
                 name=order[-1], sample_ids=np.asarray(ids, dtype=np.uint64), keys=keys,
                 lengths=np.diff(reader.part_offsets(p)).astype(np.int64),
                 input_ids=reader.read_array(p, "input_ids", 0, t), loss_mask=reader.read_array(p, "loss_mask", 0, t),
-                hidden=hidden, computed_by=records.get(entry.name, {}).get("computed_by")))
+                hidden=hidden, computed_by=reader.store.computed_by(entry.name)))  # its origin travels with its bits
         writer.close(order=order)
     return {"src": src, "dst": dst, "storage": storage, "parts": len(reader.parts), "samples": len(reader),
             "tokens": int(reader.manifest.num_tokens)}

@@ -149,6 +149,11 @@ class HDF5Store(CacheStore):
         self.last_listing = dict(sorted(out.items()))
         return dict(self.last_listing)
 
+    def computed_by(self, name: str) -> str | None:
+        with self._h5(name) as f:
+            got = f.attrs.get("computed_by")
+        return None if got is None else str(got.decode() if isinstance(got, bytes) else got)
+
     # ---- reading -----------------------------------------------------------------------------
     def chunk_table(self, part: PartEntry) -> dict:
         table = self.tables.get(part.name)

@@ -111,6 +111,17 @@ class ZarrStore(CacheStore):
     def committed_parts(self) -> dict[str, dict]:
         return dict(sorted(self.part_marks().items()))
 
+    def computed_by(self, name: str) -> str | None:
+        from zarr.core.buffer import default_buffer_prototype
+        from zarr.core.sync import sync
+
+        buf = sync(self.root.store.get(f"parts/{name}/zarr.json", prototype=default_buffer_prototype()))
+        try:
+            got = (json.loads(buf.to_bytes()).get("attributes") or {}).get("computed_by") if buf is not None else None
+        except (ValueError, AttributeError):
+            return None
+        return None if got is None else str(got)
+
     # ---- reading -----------------------------------------------------------------------------
     def _inside(self, path: str) -> None:
         """A local array's metadata and shard are read through zarr-python: its directory must not
