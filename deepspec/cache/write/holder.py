@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import uuid
+from abc import ABC, abstractmethod
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -97,17 +98,17 @@ def parse_body(data: bytes | None) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-class Lease:
+class Lease(ABC):
     """A lease held (`acquire`) or joined (`join`) by this process. `check()` raises LeaseError
     unless this process's job still holds it; `release()` gives it up (holder only)."""
 
     url: str
     run_id: str
 
-    def check(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def check(self) -> None: ...
 
-    def release(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def release(self) -> None: ...
 
 
