@@ -171,7 +171,9 @@ class CacheReader:
         if layout is not _UNKNOWN:
             return layout
         layout = store.layout(self.entries[part], name) if self.fast else None
-        if layout is not None:
+        if layout is None:  # read through the library: what the array declares is checked all the same
+            self._check_declared(part, name, *store.declared(self.entries[part], name))
+        else:
             self._check_declared(part, name, layout.dtype, tuple(layout.shape))
             c = layout.chunk_rows
             if not (isinstance(c, int) and c >= 1 and (layout.n_chunks - 1) * c < max(layout.shape[0], 1)
@@ -196,11 +198,6 @@ class CacheReader:
             if stop > layout.shape[0]:
                 raise CacheFormatError(f"{layout.name or layout.key}: rows {start}..{stop} past its {layout.shape[0]} rows")
             return shards.read_rows(layout, start, stop, out)
-        _, _, _, _, layouts = self._process_state()
-        declared = f"parts/{self.parts[part]}/{name}#declared"
-        if declared not in layouts:
-            self._check_declared(part, name, *store.declared(self.entries[part], name))
-            layouts[declared] = None
         values = store.read_slow(self.entries[part], name, start, stop)
         if len(values) != stop - start:
             raise CacheFormatError(f"{self.url}: parts/{self.parts[part]}/{name}: rows {start}..{stop} past its end")

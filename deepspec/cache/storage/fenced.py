@@ -33,7 +33,6 @@ def refused_as_existing(e: BaseException) -> bool:
     return isinstance(e, FileExistsError) or code in PRECONDITION_CODES
 
 
-ROOT_KEYS = ("zarr.json", "manifest.json")  # a store's root manifest: Zarr's root group, HDF5's manifest
 ABSENT = ""  # the ETag a fence holds for a root that did not exist when it was read
 
 

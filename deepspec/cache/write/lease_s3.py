@@ -61,10 +61,6 @@ class S3Lease(Lease):
         return self._call("put_object", Body=json.dumps(body).encode(), ContentType="application/json",
                           **condition)["ETag"]
 
-    @staticmethod
-    def _precondition(e: Exception) -> bool:
-        return refused_as_existing(e)
-
     # ---- holder ----
     def acquire(self) -> "S3Lease":
         self.body = owner(self.run_id, self.ttl, self.host)
@@ -73,7 +69,7 @@ class S3Lease(Lease):
             try:
                 self.etag = self._put(self.body, IfNoneMatch="*")
             except OSError as e:
-                if not self._precondition(e):
+                if not refused_as_existing(e):
                     raise
                 if self._take_over():
                     break
@@ -116,7 +112,7 @@ class S3Lease(Lease):
         try:
             self.etag = self._put(self.body, IfMatch=etag)
         except OSError as e:
-            if self._precondition(e) or isinstance(e, FileNotFoundError):
+            if refused_as_existing(e) or isinstance(e, FileNotFoundError):
                 return False  # someone renewed, released or took it first
             raise
         self.last_ok = sent
@@ -143,7 +139,7 @@ class S3Lease(Lease):
                 self.etag = self._put(dict(self.body, renewed=iso_utc(now_utc())), IfMatch=self.etag)
                 self.last_ok = sent
             except OSError as e:
-                if not (self._precondition(e) or isinstance(e, FileNotFoundError)):
+                if not (refused_as_existing(e) or isinstance(e, FileNotFoundError)):
                     raise
                 cur = self._get()
                 if self._adopt(cur, sent):
@@ -189,7 +185,7 @@ class S3Lease(Lease):
             if not self.lost:
                 self._call("delete_object", IfMatch=self.etag)
         except OSError as e:
-            if not (self._precondition(e) or isinstance(e, FileNotFoundError)):
+            if not (refused_as_existing(e) or isinstance(e, FileNotFoundError)):
                 # an endpoint without conditional deletes: delete only after reading back that it is ours
                 cur = self._get()
                 if cur and cur[0] and cur[0].get("token") == self.body["token"]:
