@@ -251,9 +251,7 @@ class PartRows:
 
 def entry_of(name: str, attrs: dict) -> PartEntry:
     """A part's manifest entry from its commit record (CacheStore.committed_parts)."""
-    where = attrs.get("chunk_index")
-    return PartEntry(name, int(attrs["samples"]), int(attrs["tokens"]),
-                     [int(v) for v in where] if where is not None else None)
+    return PartEntry.of(name, attrs["samples"], attrs["tokens"], attrs.get("chunk_index"))
 
 
 def index_rows(parts: list[PartEntry], rows: dict[str, PartRows], keys: bool = True) -> np.ndarray:

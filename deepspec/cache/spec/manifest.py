@@ -2,126 +2,173 @@
 committed parts, the storage kinds a manifest may name, and `manifest_mismatch`, the comparison of
 the content fields that decides whether a store holds what a run wants. Every backend reads and
 writes it (backend.CacheStore); the reader, the writer and derive compare manifests with it.
+
+Both are pydantic models, strict as the params are (no string becomes a number, no bool an int):
+a store is input written by someone else (a teammate's lake, a pulled or unpacked cache), so every
+field a reader sizes, opens or names a path by is checked once, here, and a refusal names the field.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import ClassVar
+from typing import Annotated, Literal
+
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from deepspec.cache.spec.format import (CODECS, CONTENT_KEYS, DTYPES, FORMAT, FORMAT_VERSION, INDEX_COLUMNS,
                                    INDEX_COLUMNS_V2, INDEX_KEY, PART_NAME, READ_VERSIONS, CacheFormatError)
 
 STORAGES = ("zarr", "hdf5")
-# bounds on what a manifest may declare, checked before anything is sized from it (a store is input
-# written by someone else: a teammate's lake, a pulled or unpacked cache)
+# bounds on what a manifest may declare, checked before anything is sized from it
 MAX_COUNT = 2**48          # samples or tokens of a part, bytes of an index
 MAX_HIDDEN = 2**20
 MAX_LAYER = 2**16
 
-
-def _int(value, field: str, where: str, low: int = 0, high: int = MAX_COUNT) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise CacheFormatError(f"{where}manifest field {field}: {value!r} is not an integer in [{low}, {high}]")
-    return value
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 
 
-def _checked_parts(parts, where: str) -> list["PartEntry"]:
-    if not isinstance(parts, list):
-        raise CacheFormatError(f"{where}manifest field parts: a list expected, got {type(parts).__name__}")
-    out, seen = [], set()
-    for k, p in enumerate(parts):
-        field_ = f"parts[{k}]"
-        if not isinstance(p, dict) or set(p) - {"name", "samples", "tokens", "chunk_index"}:
-            raise CacheFormatError(f"{where}manifest field {field_}: not a part entry ({str(p)[:80]})")
-        name = p.get("name")
-        if not isinstance(name, str) or not PART_NAME.fullmatch(name):
-            raise CacheFormatError(f"{where}manifest field {field_}.name: {str(name)[:80]!r} is not a part name "
-                                   "(p + 6 digits or p + 24 hex digits)")
-        if name in seen:
-            raise CacheFormatError(f"{where}manifest field {field_}.name: part {name} is listed twice")
-        seen.add(name)
-        samples = _int(p.get("samples"), f"{field_}.samples", where)
-        tokens = _int(p.get("tokens"), f"{field_}.tokens", where)
-        if tokens < samples:
-            raise CacheFormatError(f"{where}manifest field {field_}: {samples} samples in {tokens} tokens")
-        where_ = p.get("chunk_index")
-        if where_ is not None:
-            if not isinstance(where_, list) or len(where_) != 3:
-                raise CacheFormatError(f"{where}manifest field {field_}.chunk_index: (offset, nbytes, crc32c) expected")
-            where_ = [_int(v, f"{field_}.chunk_index", where, high=2**62) for v in where_]
-        out.append(PartEntry(name, samples, tokens, where_))
-    return out
+def _index_key(key: str) -> str:
+    if not INDEX_KEY.fullmatch(key):
+        raise ValueError("is not an index key of a store "
+                         "(index/<16 hex digits>/c/0/0, index/<16 hex digits>.h5, index/c/0/0 or index.h5)")
+    return key
 
 
-def _checked_index(index, samples: int, where: str) -> dict | None:
-    if index is None:
-        return None
-    if not isinstance(index, dict):
-        raise CacheFormatError(f"{where}manifest field index: an object expected")
-    key = index.get("key")
-    if not isinstance(key, str) or not INDEX_KEY.fullmatch(key):
-        raise CacheFormatError(f"{where}manifest field index.key: {str(key)[:80]!r} is not an index key of a store "
-                               "(index/<16 hex digits>/c/0/0, index/<16 hex digits>.h5, index/c/0/0 or index.h5)")
-    columns = list(index.get("columns", INDEX_COLUMNS_V2))
-    if columns not in (list(INDEX_COLUMNS_V2), list(INDEX_COLUMNS)):
-        raise CacheFormatError(f"{where}manifest field index.columns: {columns} are neither "
-                               f"{list(INDEX_COLUMNS_V2)} nor {list(INDEX_COLUMNS)}")
-    n = _int(index.get("samples"), "index.samples", where)
-    if n != samples:
-        raise CacheFormatError(f"{where}manifest field index.samples: {n}, but its parts hold {samples} samples")
-    nbytes = _int(index.get("nbytes"), "index.nbytes", where)
-    if nbytes != 8 * len(columns) * n:
-        raise CacheFormatError(f"{where}manifest field index.nbytes: {nbytes}; an index of {n} samples is "
-                               f"{8 * len(columns) * n} bytes")
-    _int(index.get("offset"), "index.offset", where)
-    _int(index.get("crc32c"), "index.crc32c", where, high=2**32 - 1)
-    return dict(index)
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", validate_assignment=False)
 
 
-@dataclass
-class PartEntry:
+class PartEntry(_Strict):
     """One committed part as the manifest lists it. `chunk_index` (HDF5 only): byte offset, length
     and crc32c of the part file's chunk table (docs/cache-format.md §11)."""
+    # the name's pattern and that the tokens hold the samples are checked for the whole list at once
+    # (Manifest) or by `of`: a validator or pattern per part makes opening a large lake twice as slow
     name: str
-    samples: int
-    tokens: int
-    chunk_index: list[int] | None = None
+    samples: Count
+    tokens: Count
+    chunk_index: Annotated[list[Annotated[int, Field(ge=0, le=2**62)]], Field(min_length=3, max_length=3)] | None = None
+
+    @classmethod
+    def of(cls, name: str, samples: int, tokens: int, chunk_index=None, where: str = "") -> "PartEntry":
+        """An entry from a part's own commit record: checked as the manifest's are."""
+        try:
+            entry = cls(name=name, samples=int(samples), tokens=int(tokens),
+                        chunk_index=None if chunk_index is None else [int(v) for v in chunk_index])
+        except ValidationError as e:
+            raise refusal(e, where, f"part {name}") from None
+        why = _entry_problem(entry)
+        if why:
+            raise CacheFormatError(f"{where}part {name}: {why}")
+        return entry
 
     def to_dict(self) -> dict:
-        d = {"name": self.name, "samples": int(self.samples), "tokens": int(self.tokens)}
+        d = {"name": self.name, "samples": self.samples, "tokens": self.tokens}
         if self.chunk_index is not None:
-            d["chunk_index"] = [int(v) for v in self.chunk_index]
+            d["chunk_index"] = list(self.chunk_index)
         return d
 
 
-@dataclass
-class Manifest(Mapping):
+def _entry_problem(p: PartEntry) -> str | None:
+    if not PART_NAME.fullmatch(p.name):
+        return f"name {p.name[:80]!r} is not a part name (p + 6 digits or p + 24 hex digits)"
+    if p.tokens < p.samples:
+        return f"{p.samples} samples in {p.tokens} tokens"
+    return None
+
+
+class IndexEntry(_Strict):
+    """Where the consolidated per-sample index lies (format v2, §3.1)."""
+    key: Annotated[str, AfterValidator(_index_key)]
+    offset: Count
+    nbytes: Count
+    crc32c: Annotated[int, Field(ge=0, le=2**32 - 1)]
+    samples: Count
+    columns: list[str] = Field(default_factory=lambda: list(INDEX_COLUMNS_V2))
+
+    @field_validator("columns")
+    @classmethod
+    def _known_columns(cls, columns: list[str]) -> list[str]:
+        if columns not in (list(INDEX_COLUMNS_V2), list(INDEX_COLUMNS)):
+            raise ValueError(f"neither {list(INDEX_COLUMNS_V2)} nor {list(INDEX_COLUMNS)}")
+        return columns
+
+    @model_validator(mode="after")
+    def _sized_by_its_samples(self) -> "IndexEntry":
+        if self.nbytes != 8 * len(self.columns) * self.samples:
+            raise ValueError(f"nbytes {self.nbytes}: an index of {self.samples} samples is "
+                             f"{8 * len(self.columns) * self.samples} bytes")
+        return self
+
+
+def refusal(e: ValidationError, where: str, what: str = "manifest") -> CacheFormatError:
+    """pydantic's first complaint as a CacheFormatError naming the store, the field (as a key path:
+    `parts[1].name`) and the value it refused."""
+    err = e.errors(include_url=False)[0]
+    loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
+    msg = err["msg"].removeprefix("Value error, ")
+    shown = repr(err.get("input"))
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    if not loc or msg.startswith(loc):  # a check across fields or items: its message starts with the key path it names
+        return CacheFormatError(f"{where}{what} field {msg}")
+    return CacheFormatError(f"{where}{what} field {loc}: {shown} {msg}")
+
+
+class Manifest(BaseModel, Mapping):
     """The root manifest (docs/cache-format.md §3). Keys this version does not know are kept in
     `extra` and written back unchanged. Read-only mapping access (`m["layers"]`, `m.get(...)`) gives
-    the JSON form, for code that only reads fields.
+    the JSON form, for code that only reads fields; a field is read in O(1) (only `parts` lists
+    every part).
 
     `consolidated` (format v2): true when `parts` and the per-sample `index` describe the store; a
     store a writer is adding parts to (or was, until it was killed) is not, and its parts are found
     by listing (CacheStore.read_manifest does). A v1 manifest always lists its parts; a v3 manifest
     always does too (a writer adds parts beside the listed ones and switches the root once, §7)."""
-    target: dict
-    layers: list[int]
-    dtype: str
-    codec: str = "none"
-    max_length: int = 0
-    chunk_tokens: int = 64
-    hidden_size: int = 0
-    bytes_per_token: int | None = None
-    storage: str = "zarr"
-    parts: list[PartEntry] = field(default_factory=list)
-    format: str = FORMAT
-    format_version: int = FORMAT_VERSION
-    consolidated: bool = True
-    index: dict | None = None  # {"key", "offset", "nbytes", "crc32c", "samples", "columns"} (v2)
-    extra: dict = field(default_factory=dict)
+    model_config = ConfigDict(strict=True, extra="forbid")
 
-    _KNOWN: ClassVar[tuple[str, ...]] = ()
+    target: dict
+    layers: Annotated[list[Annotated[int, Field(ge=-1, le=MAX_LAYER)]], Field(min_length=1)]
+    dtype: Literal[tuple(DTYPES)]  # type: ignore[valid-type]
+    codec: Literal[tuple(CODECS)] = "none"  # type: ignore[valid-type]
+    max_length: Annotated[int, Field(ge=0, le=2**40)] = 0
+    chunk_tokens: Annotated[int, Field(ge=1, le=2**30)] = 64
+    hidden_size: Annotated[int, Field(ge=0, le=MAX_HIDDEN)] = 0
+    bytes_per_token: int | None = None
+    storage: Literal[STORAGES] = "zarr"
+    parts: list[PartEntry] = Field(default_factory=list)
+    format: Literal[FORMAT] = FORMAT
+    format_version: Literal[READ_VERSIONS] = FORMAT_VERSION  # type: ignore[valid-type]
+    consolidated: bool = True
+    index: dict | None = None  # IndexEntry's fields, as a dict: {"key", "offset", "nbytes", "crc32c", "samples", "columns"}
+    extra: dict = Field(default_factory=dict)
+
+    @field_validator("layers")
+    @classmethod
+    def _distinct(cls, layers: list[int]) -> list[int]:
+        if len(set(layers)) != len(layers):
+            raise ValueError("is not a list of distinct layer ids")
+        return layers
+
+    @field_validator("parts")
+    @classmethod
+    def _named_once_and_sized(cls, parts: list[PartEntry]) -> list[PartEntry]:
+        seen = set()
+        for k, p in enumerate(parts):
+            why = _entry_problem(p) or (f"name {p.name} is listed twice" if p.name in seen else None)
+            if why:
+                raise ValueError(f"parts[{k}].{why}" if why.startswith("name") else f"parts[{k}]: {why}")
+            seen.add(p.name)
+        return parts
+
+    @field_validator("index")
+    @classmethod
+    def _an_index(cls, index: dict | None) -> dict | None:
+        return None if index is None else IndexEntry.model_validate(index).model_dump()
+
+    @model_validator(mode="after")
+    def _index_of_these_parts(self) -> "Manifest":
+        if self.index is not None and self.index["samples"] != self.num_samples:
+            raise ValueError(f"index.samples: {self.index['samples']}, but its parts hold {self.num_samples} samples")
+        return self
 
     @property
     def num_samples(self) -> int:
@@ -133,7 +180,8 @@ class Manifest(Mapping):
 
     @classmethod
     def from_dict(cls, d: Mapping, url: str = "") -> "Manifest":
-        """A manifest as stored; refuses another format or version, naming the store."""
+        """A manifest as stored; refuses another format or version, or any field out of its domain,
+        naming the store and the field."""
         d = dict(d)
         where = f"{url}: " if url else ""
         if d.get("format", FORMAT) != FORMAT:
@@ -141,45 +189,31 @@ class Manifest(Mapping):
         if d.get("format_version", FORMAT_VERSION) not in READ_VERSIONS:
             raise CacheFormatError(f"{where}format_version {d.get('format_version')} is not supported "
                                    f"(this reader knows {', '.join(map(str, READ_VERSIONS))})")
-        names = {f.name for f in fields(cls)} - {"extra"}
         missing = [k for k in ("target", "layers", "dtype") if k not in d]
         if missing:
             raise CacheFormatError(f"{where}manifest lacks {missing}")
-        known = {k: d.pop(k) for k in list(d) if k in names}
+        known = {k: d.pop(k) for k in list(d) if k in _FIELDS}
         d.pop("num_samples", None)
         d.pop("num_tokens", None)
-        # every field a reader sizes, opens or names a path by is checked here, once, with its name
-        known["parts"] = _checked_parts(known.get("parts", []), where)
-        layers = known["layers"]
-        if not isinstance(layers, list) or not layers or len(set(map(str, layers))) != len(layers):
-            raise CacheFormatError(f"{where}manifest field layers: {str(layers)[:80]} is not a list of distinct layer ids")
-        known["layers"] = [_int(i, "layers", where, low=-1, high=MAX_LAYER) for i in layers]
-        if known["dtype"] not in DTYPES:
-            raise CacheFormatError(f"{where}manifest field dtype: {known['dtype']!r} (known: {list(DTYPES)})")
-        if known.get("codec", "none") not in CODECS:
-            raise CacheFormatError(f"{where}manifest field codec: {known['codec']!r} (known: {list(CODECS)})")
-        for key, low, high in (("hidden_size", 0, MAX_HIDDEN), ("chunk_tokens", 1, 2**30), ("max_length", 0, 2**40)):
-            if key in known:
-                known[key] = _int(known[key], key, where, low, high)
-        if int(known.get("format_version", FORMAT_VERSION)) < 2:
+        if known.get("format_version", FORMAT_VERSION) < 2:
             known["consolidated"], known["index"] = True, None  # v1: the parts list is the store
-        if known.get("storage", "zarr") not in STORAGES:
-            raise CacheFormatError(f"{where}unknown storage {known['storage']!r} (known: {list(STORAGES)})")
-        known["index"] = _checked_index(known.get("index"), sum(p.samples for p in known["parts"]), where)
-        return cls(**known, extra=d)
+        try:
+            return cls.model_validate({**known, "extra": d})
+        except ValidationError as e:
+            raise refusal(e, where) from None
 
     def to_dict(self) -> dict:
         d = dict(self.extra)
-        for f in fields(self):
-            if f.name in ("extra", "parts"):
+        for name in _FIELDS:
+            if name == "parts":
                 continue
-            v = getattr(self, f.name)
-            if f.name == "storage" and v == "zarr":
+            v = getattr(self, name)
+            if name == "storage" and v == "zarr":
                 continue  # a Zarr store's manifest is what it was before backends existed
-            if f.name == "consolidated" and self.format_version < 2:
+            if name == "consolidated" and self.format_version < 2:
                 continue
             if v is not None:
-                d[f.name] = v
+                d[name] = v
         d["parts"] = [p.to_dict() for p in self.parts]
         d["num_samples"], d["num_tokens"] = self.num_samples, self.num_tokens
         return d
@@ -197,7 +231,8 @@ class Manifest(Mapping):
         return {k: v for k, v in self.to_dict().items()
                 if k not in ("parts", "num_samples", "num_tokens", "consolidated", "index")}
 
-    # read-only mapping view of the JSON form: a field is read in O(1) (only `parts` lists every part)
+    # read-only mapping view of the JSON form (pydantic's own iteration yields (field, value) pairs;
+    # a Manifest iterates as the mapping it shows)
     def __getitem__(self, key: str):
         if key == "storage":
             return self.storage
@@ -207,7 +242,7 @@ class Manifest(Mapping):
             return [p.to_dict() for p in self.parts]
         if key in ("num_samples", "num_tokens"):
             return getattr(self, key)
-        if key in _FIELDS and key != "extra":
+        if key in _FIELDS:
             value = getattr(self, key)
             if value is None or (key == "consolidated" and self.format_version < 2):
                 raise KeyError(key)
@@ -223,14 +258,17 @@ class Manifest(Mapping):
     def _keys(self) -> list[str]:
         """to_dict()'s keys, without building it."""
         keys = list(self.extra)
-        for f in fields(self):
-            if f.name in ("extra", "parts") or f.name in self.extra:
+        for name in _FIELDS:
+            if name == "parts" or name in self.extra:
                 continue
-            if (f.name == "storage" and self.storage == "zarr") or \
-                    (f.name == "consolidated" and self.format_version < 2) or getattr(self, f.name) is None:
+            if (name == "storage" and self.storage == "zarr") or \
+                    (name == "consolidated" and self.format_version < 2) or getattr(self, name) is None:
                 continue
-            keys.append(f.name)
+            keys.append(name)
         return keys + [k for k in ("parts", "num_samples", "num_tokens") if k not in keys]
+
+
+_FIELDS = tuple(name for name in Manifest.model_fields if name != "extra")
 
 
 def manifest_mismatch(old: dict, new: dict) -> str | None:
@@ -245,5 +283,3 @@ def manifest_mismatch(old: dict, new: dict) -> str | None:
             return f"{key}: store has {a!r}, expected {b!r}"
     return None
 
-
-_FIELDS = frozenset(f.name for f in fields(Manifest))

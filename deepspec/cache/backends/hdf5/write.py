@@ -159,7 +159,7 @@ class HDF5StoreWriter(HDF5Store, WritableStore):
         if "damaged" in marks:
             return f"{key}: {marks['damaged']}"
         try:
-            table = self.chunk_table(PartEntry(name, 0, 0, marks.get(INDEX_DATASET)))
+            table = self.chunk_table(PartEntry.of(name, 0, 0, marks.get(INDEX_DATASET)))
             size = os.path.getsize(self.key_path(key))
             for array in arrays:
                 if array not in table:
@@ -230,4 +230,4 @@ class HDF5StoreWriter(HDF5Store, WritableStore):
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        return PartEntry(name, attrs["samples"], attrs["tokens"], where)
+        return PartEntry.of(name, attrs["samples"], attrs["tokens"], where)

@@ -246,4 +246,4 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
                 fsync_path(p)
         lease.check()  # never commit over the parts of a job that took the store over
         group.attrs.put(attrs)  # the commit record: O(samples of this part) bytes, nothing at the root
-        return PartEntry(name, attrs["samples"], attrs["tokens"])
+        return PartEntry.of(name, attrs["samples"], attrs["tokens"])
