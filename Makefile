@@ -23,7 +23,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup repro test test-fast lock clean-venv embedded-target gpu-wheels gpu-check
+.PHONY: setup repro test test-fast lock clean-venv embedded-target gpu-wheels gpu-check benchmarks-doc benchmark-embedded
 
 setup: $(STAMP) $(PLOTS_TEMPLATE)
 
@@ -39,7 +39,7 @@ $(PLOTS_TEMPLATE): $(STAMP)
 
 # The trained builtin:tiny target ships in embedded/ (a DVC remote in the repo): on a fresh clone it is
 # pulled, as a teammate's outputs would be, and `dvc repro` finds the target stage up to date. If
-# dvc.lock's target is not there (target params or code changed), the stage trains it (~10 min).
+# dvc.lock's target is not there (target params or code changed), the stage trains it (docs/stages.md).
 repro: setup
 	@test -e data/target || dvc pull --quiet -r embedded target || echo "make: no shipped target for this dvc.lock; the target stage trains it"
 	dvc repro
@@ -109,3 +109,13 @@ gpu-check:
 	  --target $(GPU_SITE) $(GPU_WHEELS)/*.whl
 	PYTHONPATH=$(CURDIR)/$(GPU_SITE) $(PYTHON) benchmarks/gpu_check.py --out $(or $(OUT),gpu-check-out) $(GPU_CHECK_ARGS)
 endif
+
+# docs/benchmarks.md is generated: each measured number there was printed by a recorded run
+# (benchmarks/record.py keeps a run's output in benchmarks/results/). `benchmark-embedded` times
+# `make setup` and `make repro` in a fresh clone of HEAD and records what the stages measured.
+benchmarks-doc: setup
+	$(PY) benchmarks/report.py
+
+benchmark-embedded: setup
+	$(PY) benchmarks/record.py embedded --title "The embedded default: \`make setup\` and \`make repro\` in a fresh clone of HEAD, and what each stage measured" -- $(PY) benchmarks/embedded.py
+	$(PY) benchmarks/report.py

@@ -3,7 +3,7 @@
 The stage streams: one pass tokenises every row to learn its length, content key and byte offset
 (kept as numpy arrays, the tokens dropped), the part plan is made from those alone, and a part's
 rows are re-read and tokenised only when that part is computed, so a rank holds a few parts of
-samples, never the corpus. The plan is a pure function of the input (`plan_store`, cache/plan.py):
+samples, never the corpus. The plan is a pure function of the input (`plan_store`, cache/spec/plan.py):
 parts are cut by content and named by it, so a part the store already holds is kept, every other
 planned part is computed, and the store's new manifest lists exactly the planned parts. The result
 equals a from-scratch build of the same input, and a rerun after a crash, single- or multi-rank,
