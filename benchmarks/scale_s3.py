@@ -1,6 +1,6 @@
 """S3 read throughput vs requests in flight, through an S3 endpoint with injected latency and bandwidth.
 
-    python benchmarks/scale_s3.py [--samples 6] [--tokens 768] [--in-flight 1 4 16 64]
+    python benchmarks/scale_s3.py [--samples 6] [--tokens 768] [--in-flight 1 4 16 64] [--cat-ranges]
 
 moto_server on 127.0.0.1 holds a cache at the reference width (H = 2,560, layers [1, 9, 17, 25, 33]
 + last, bf16, uncompressed); `--tokens` 768 makes each array of a sample one ~3.9 MB range
@@ -89,6 +89,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=6, help="samples stored (each ~24 MB)")
     ap.add_argument("--tokens", type=int, default=768)
     ap.add_argument("--in-flight", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--cat-ranges", action="store_true",
+                    help="instead: the reader's byte-range gather vs fsspec's cat_ranges on the same ranges")
     ap.add_argument("--serve-proxy", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_proxy:
@@ -135,6 +137,8 @@ def main() -> None:
         w.release()
         del flat
         through = {"endpoint_url": proxy_url, "key": "bench", "secret": "bench"}
+        if args.cat_ranges:
+            return compare_cat_ranges(through, args.in_flight)
         proxy, moto = psutil.Process(procs[1].pid), psutil.Process(procs[0].pid)
         rows, base = [], None
         for N in args.in_flight:
@@ -168,6 +172,35 @@ def main() -> None:
         for p in procs:
             p.terminate()
             p.wait(10)
+
+
+def compare_cat_ranges(options: dict, in_flight: list[int], repeats: int = 3) -> None:
+    """The same 4 MB ranges of every shard through ByteRanges.read_ranges (coroutines of s3fs's
+    `_cat_file` under a semaphore, on s3fs's loop) and through fsspec's `cat_ranges` (`batch_size` =
+    requests in flight), alternating, `repeats` times each; prints MB/s of each and the ratio."""
+    from deepspec.cache.read.ranges import ByteRanges
+
+    files = ByteRanges("s3://bench/c.zarr", options, connections=max(in_flight))
+    fs, root = files.fs, files.root
+    shards = sorted(k for k in fs.find(root) if "/parts/" in k and "zarr.json" not in k)
+    ranges = [(k[len(root) + 1:], a, min(a + (4 << 20), fs.size(k))) for k in shards
+              for a in range(0, fs.size(k), 4 << 20)]
+    total = sum(e - a for _, a, e in ranges)
+    for n in in_flight:
+        best = {"gather": [], "cat_ranges": []}
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            mine = files.read_ranges(ranges, n)
+            best["gather"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            theirs = fs.cat_ranges([f"{root}/{k}" for k, _, _ in ranges], [a for _, a, _ in ranges],
+                                   [e for _, _, e in ranges], batch_size=n, on_error="raise")
+            best["cat_ranges"].append(time.perf_counter() - t0)
+            assert mine == theirs
+        mb_s = {k: round(total / 1e6 / sorted(v)[len(v) // 2], 1) for k, v in best.items()}
+        print(json.dumps({"in_flight": n, "ranges": len(ranges), "MB": round(total / 1e6, 1),
+                          "gather_MB_s": mb_s["gather"], "cat_ranges_MB_s": mb_s["cat_ranges"],
+                          "cat_ranges_vs_gather": round(mb_s["cat_ranges"] / mb_s["gather"], 2)}), flush=True)
 
 
 if __name__ == "__main__":
