@@ -23,7 +23,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup repro test test-fast lock clean-venv embedded-target gpu-wheels gpu-check benchmarks-doc benchmark-embedded
+.PHONY: setup repro test test-fast lock clean-venv embedded-target gpu-wheels gpu-check benchmarks-doc benchmark-embedded peers-site
 
 setup: $(STAMP) $(PLOTS_TEMPLATE)
 
@@ -119,3 +119,11 @@ benchmarks-doc: setup
 benchmark-embedded: setup
 	$(PY) benchmarks/record.py embedded --title "The embedded default: \`make setup\` and \`make repro\` in a fresh clone of HEAD, and what each stage measured" -- $(PY) benchmarks/embedded.py
 	$(PY) benchmarks/report.py
+
+# The loaders benchmarks/loader_peers.py compares with, outside .venv: their pins would replace torch
+# and numpy, so each goes in with --no-deps beside the few modules they import that .venv lacks.
+PEERS_SITE := .peers-site
+PEERS := litdata==0.2.76 mosaicml-streaming==0.13.0 lightning-utilities==0.15.3 catalogue==2.0.10 \
+	brotli==1.2.1 cramjam==2.14.0 python-snappy==0.7.3 zstd==1.5.7.2 pillow==13.0.0
+peers-site: setup
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --target $(PEERS_SITE) $(PEERS)
