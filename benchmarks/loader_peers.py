@@ -2,11 +2,11 @@
 writer and read with its own Dataset API.
 
     make peers-site                                    # litdata and mosaicml-streaming into .peers-site (--no-deps)
-    PYTHONPATH=.peers-site .venv/bin/python benchmarks/loader_peers.py [--samples 48] [--repeats 3]
+    PYTHONPATH=.peers-site .venv/bin/python benchmarks/loader_peers.py [--samples 48] [--repeats 3] [--s3 | --s3-only]
 
 The samples are the reference case's (Qwen3-4B, H = 2,560): input ids (int32), loss mask (uint8),
 the hidden states of layers [1, 9, 17, 25, 33] and the last hidden state per token as bf16 bit
-patterns (uint16), 600-1,400 tokens a sample (~15 KB... 30 KB a token). Written with:
+patterns (uint16), 600-1,400 tokens a sample (30,725 bytes a token). Written with:
   deepspec  CacheWriter (Zarr v3 shards, 64-token chunks with crc32c, 4 parts);
   litdata   `litdata.optimize` (its chunked binary format, 64 MB chunks);
   mds       `streaming.MDSWriter` (MDS shards, 64 MB).
@@ -16,6 +16,12 @@ iterable dataset; deepspec's map-style dataset through torch's, shuffled), the s
 The contenders alternate, `--repeats` times; the table holds the median GB/s of sample bytes
 (what the arrays returned hold) and the ratio to litdata. deepspec runs with its crc32c checks on
 (the default) and off; neither peer checks what it reads locally.
+
+With `--s3` the same stores go to moto_server behind benchmarks/scale_s3.py's throttling proxy (a
+delay per request and a paced rate per response stream, like one S3 stream): each contender opens
+a fresh dataset (the peers a fresh local cache: they download whole chunks or shards) and reads
+every sample in a random order; printed are the time to the first sample, the GB/s of the rest,
+and the GETs and bytes per sample that passed the proxy (it counts them).
 
 mosaicml-streaming's package imports its vision datasets, which import torchvision; the CPU
 torchvision wheel that matches torch is not on every index, so when torchvision cannot be imported
@@ -28,6 +34,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,14 +70,14 @@ def nbytes(item) -> int:
     return 0
 
 
-def write_deepspec(root: Path, n: int) -> str:
+def write_deepspec(root: Path, n: int, url: str | None = None, options: dict | None = None) -> str:
     from deepspec.cache.write.part_data import PartData
     from deepspec.cache.write.writer import CacheWriter
 
     manifest = {"target": {"id": "bench", "hidden_size": H}, "layers": LAYERS, "dtype": "bfloat16", "codec": "none",
                 "max_length": 4096, "chunk_tokens": 64, "hidden_size": H}
-    url = str(root / "deepspec.zarr")
-    w = CacheWriter(url, manifest)
+    url = url or str(root / "deepspec.zarr")
+    w = CacheWriter(url, manifest, options)
     per_part = -(-n // 4)
     for p in range(0, n, per_part):
         items = [sample(i) for i in range(p, min(n, p + per_part))]
@@ -183,12 +190,88 @@ def loader_gb_s(name: str, stores: dict[str, str], workers: int) -> float:
     return total / (time.perf_counter() - t0) / 1e9
 
 
+def s3_rows(args, stores: dict[str, str], tmp: Path) -> list[dict]:
+    """The same samples on S3 (moto_server behind scale_s3.py's throttling proxy): per contender and
+    repeat, a fresh dataset (and a fresh local cache for the peers, which download whole chunks or
+    shards) reads every sample in a random order; time to the first sample, GB/s of the rest, and
+    the GETs and bytes that passed the proxy per sample."""
+    import boto3
+    import fsspec
+    import litdata
+    import requests
+    import streaming
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from scale_s3 import LATENCY_S, STREAM_BYTES_S, wait_http
+
+    from deepspec.data.servers import free_port
+    from deepspec.loader.dataset import TargetCacheDataset
+
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_EC2_METADATA_DISABLED="true",
+                      AWS_DEFAULT_REGION="us-east-1")
+    moto_port, proxy_port = free_port(), free_port()
+    moto, proxy = f"http://127.0.0.1:{moto_port}", f"http://127.0.0.1:{proxy_port}"
+    procs = [subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(moto_port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / "scale_s3.py"),
+                                       "--serve-proxy", str(proxy_port), moto]))
+        wait_http(moto)
+        wait_http(proxy)
+        boto3.client("s3", endpoint_url=moto).create_bucket(Bucket="peers")
+        direct = {"endpoint_url": moto, "key": "bench", "secret": "bench"}
+        write_deepspec(tmp, args.samples, "s3://peers/deepspec.zarr", direct)
+        fs = fsspec.filesystem("s3", **direct)
+        for name in ("litdata", "mds"):
+            fs.put(stores[name], f"peers/{name}", recursive=True)
+        os.environ["S3_ENDPOINT_URL"] = proxy  # mosaicml-streaming's endpoint setting
+        through = {"endpoint_url": proxy, "key": "bench", "secret": "bench"}
+        opened = {
+            "deepspec, checks on": lambda cache: TargetCacheDataset("s3://peers/deepspec.zarr", storage_options=through),
+            "mosaicml-streaming": lambda cache: streaming.StreamingDataset(remote="s3://peers/mds", local=str(cache),
+                                                                           batch_size=1, shuffle=False),
+            "litdata": lambda cache: litdata.StreamingDataset(
+                "s3://peers/litdata", cache_dir=str(cache),
+                storage_options={"endpoint_url": proxy, "aws_access_key_id": "bench", "aws_secret_access_key": "bench"}),
+        }
+        rows = []
+        for rep in range(args.repeats):
+            order = list(range(args.samples))
+            random.Random(100 + rep).shuffle(order)
+            for name, make in opened.items():
+                cache = Path(tempfile.mkdtemp(prefix=f"{name[:4]}-", dir=tmp))
+                requests.get(f"{proxy}/__counts?reset=1")
+                t0 = time.perf_counter()
+                ds = make(cache)
+                nbytes(ds[order[0]])
+                first = time.perf_counter() - t0
+                t1, total = time.perf_counter(), 0
+                for i in order[1:]:
+                    total += nbytes(ds[i])
+                steady = total / (time.perf_counter() - t1) / 1e9
+                c = requests.get(f"{proxy}/__counts").json()
+                rows.append({"repeat": rep, "contender": name, "first_sample_s": round(first, 2),
+                             "GB_s": round(steady, 3), "GETs_per_sample": round(c.get("GET", 0) / args.samples, 2),
+                             "other_requests": sum(v for k, v in c.items() if k not in ("GET", "bytes")),
+                             "MB_fetched_per_sample": round(c.get("bytes", 0) / args.samples / 1e6, 1)})
+                print(json.dumps(rows[-1]), flush=True)
+                del ds
+        print(json.dumps({"proxy_latency_ms": LATENCY_S * 1e3, "proxy_stream_MB_s": STREAM_BYTES_S / 1e6}))
+        return rows
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--dir", type=Path, help="where the three stores go (default: a temporary directory)")
+    ap.add_argument("--s3", action="store_true", help="also on S3: moto_server behind scale_s3.py's throttling proxy")
+    ap.add_argument("--s3-only", action="store_true", help="only the S3 part")
     args = ap.parse_args()
     stub_torchvision()
     import litdata
@@ -203,6 +286,10 @@ def main() -> None:
             size = sum(f.stat().st_size for f in Path(stores[name]).rglob("*") if f.is_file())
             print(json.dumps({"written": name, "seconds": round(time.perf_counter() - t0, 1), "GB": round(size / 1e9, 3),
                               "files": sum(1 for f in Path(stores[name]).rglob("*") if f.is_file())}), flush=True)
+        if args.s3 or args.s3_only:
+            s3 = s3_rows(args, stores, root)
+        if args.s3_only:
+            return print_s3(s3)
         sets = datasets(stores, args.samples)
         assert all(len(ds) == args.samples for ds in sets.values()), {k: len(v) for k, v in sets.items()}
         for i in random.Random(1).sample(range(args.samples), 3):  # the same sample from every store
@@ -226,6 +313,8 @@ def main() -> None:
                 results[name]["loader"].append(loader_gb_s(name, stores, args.workers))
             print(json.dumps({"repeat": rep, **{k: {m: round(v[m][-1], 2) for m in v} for k, v in results.items()}}),
                   flush=True)
+    if args.s3:
+        print_s3(s3)
     med = {name: {m: statistics.median(v) for m, v in r.items()} for name, r in results.items()}
     ref = med["litdata"]
     print(f"\n{args.samples} samples, {args.repeats} interleaved repeats, median GB/s of sample bytes "
@@ -234,6 +323,17 @@ def main() -> None:
     for name, m in med.items():
         print(f"{name:<24} {m['map']:>11.2f} {m['map'] / ref['map']:>10.2f}x {m['loader']:>16.2f} "
               f"{m['loader'] / ref['loader']:>10.2f}x")
+
+
+def print_s3(rows: list[dict]) -> None:
+    print("\nS3 through the throttling proxy, median of the repeats")
+    print(f"{'contender':<24} {'first sample s':>15} {'GB/s':>7} {'GETs/sample':>12} {'MB fetched/sample':>18}")
+    for name in dict.fromkeys(r["contender"] for r in rows):
+        mine = [r for r in rows if r["contender"] == name]
+        med = {k: statistics.median(r[k] for r in mine) for k in ("first_sample_s", "GB_s", "GETs_per_sample",
+                                                                  "MB_fetched_per_sample")}
+        print(f"{name:<24} {med['first_sample_s']:>15.2f} {med['GB_s']:>7.3f} {med['GETs_per_sample']:>12.2f} "
+              f"{med['MB_fetched_per_sample']:>18.1f}")
 
 
 if __name__ == "__main__":

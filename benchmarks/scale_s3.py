@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import subprocess
@@ -35,11 +36,21 @@ HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrad
 
 
 def serve_proxy(port: int, upstream: str) -> None:
-    """The throttle: every request waits LATENCY_S, then its response body streams at STREAM_BYTES_S."""
+    """The throttle: every request waits LATENCY_S, then its response body streams at STREAM_BYTES_S.
+    `GET /__counts` answers the requests (by method) and response bytes passed so far, and with
+    `?reset=1` starts the counts again."""
     import aiohttp
     from aiohttp import web
 
+    counts = collections.Counter()
+
     async def handle(request: web.Request) -> web.StreamResponse:
+        if request.path == "/__counts":
+            answer = web.json_response(dict(counts))
+            if request.query.get("reset"):
+                counts.clear()
+            return answer
+        counts[request.method] += 1
         body = await request.read()
         await asyncio.sleep(LATENCY_S)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
@@ -54,6 +65,7 @@ def serve_proxy(port: int, upstream: str) -> None:
             async for piece in up.content.iter_chunked(PIECE):
                 await resp.write(piece)
                 sent += len(piece)
+                counts["bytes"] += len(piece)
                 ahead = start + sent / STREAM_BYTES_S - loop.time()
                 if ahead > 0:
                     await asyncio.sleep(ahead)
