@@ -67,7 +67,14 @@ def stage(work: Path, layers: list[int], **cache) -> tuple[float, dict]:
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     if proc.returncode != 0:
         raise SystemExit(f"cache stage failed in {work}:\n{proc.stderr[-3000:]}")
-    return time.time() - t0, json.loads((work / "data/cache/report.json").read_text())
+    seconds = time.time() - t0
+    report = json.loads((work / "data/cache/report.json").read_text())
+    # the stage keeps its timings in metrics.json (report.json is a function of the input alone)
+    timings = json.loads((work / "data/cache/metrics.json").read_text())
+    report["wall_s"] = timings["wall_s"]
+    if isinstance(report.get("derive"), dict) and "derive_wall_s" in timings:
+        report["derive"]["wall_s"] = timings["derive_wall_s"]
+    return seconds, report
 
 
 def workdir(root: Path, name: str, target: Path, regen: Path) -> Path:
