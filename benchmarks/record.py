@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     command = argv[cut + 1:]
     if not NAME.fullmatch(args.name) or not command:
         raise SystemExit(f"record.py: {args.name!r} is not a record name ([a-z0-9_-]) or no command was given")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # what else ran when it started
     start, lines = time.perf_counter(), []
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
         for line in proc.stdout:
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = [line for line in lines if not FIGURE.match(line.strip()) and "\r" not in line]
     record = {"name": args.name, "title": args.title or args.name,
               "command": shlex.join(command), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-              "machine": machine(), "wall_s": round(wall, 1),
+              "machine": machine(), "load_at_start": None if load is None else round(load, 1), "wall_s": round(wall, 1),
               "figures": {f"{args.name}.wall": minutes(wall)} | figures_of(lines), "output": shown[-KEEP_LINES:]}
     args.results.mkdir(parents=True, exist_ok=True)
     path = args.results / f"{args.name}.json"

@@ -112,7 +112,9 @@ def render(recs: list[dict] | None = None) -> str:
     for rec in recs:
         lines += [f"## {rec['name']}", "", f"{rec['title']}", "",
                   f"- command: `{rec['command']}`",
-                  f"- run on {rec['date']}: {rec['machine']}; {rec['wall_s']:.0f} s in all", ""]
+                  f"- run on {rec['date']}: {rec['machine']}; {rec['wall_s']:.0f} s in all"
+                  + (f"; 1-minute load average {rec['load_at_start']} when it started"
+                     if rec.get("load_at_start") is not None else ""), ""]
         if rec.get("output"):
             lines += ["```text", *rec["output"], "```", ""]
     recorded = {Path(r["command"].split()[1]).name for r in recs if len(r["command"].split()) > 1}
