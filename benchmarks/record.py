@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-KEEP_LINES = 60
+KEEP_LINES = 300  # a script prints its tables last; the page shows them whole
 FIGURE = re.compile(r"^FIGURE (?P<key>[a-z0-9_.]+) = (?P<value>.+?)\s*$")
 NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 

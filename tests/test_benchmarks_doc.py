@@ -22,7 +22,9 @@ def report():
 
 
 def test_the_benchmarks_page_is_what_the_recorded_runs_give(report):
-    assert report.PAGE.read_text() == report.render(), "docs/benchmarks.md was edited by hand: run `make benchmarks-doc`"
+    assert report.PAGE.read_text() == report.render(), (
+        "docs/benchmarks.md differs from what benchmarks/results/ and the scripts give "
+        "(a new record, a new script, or a hand edit): run `make benchmarks-doc`")
 
 
 def test_no_doc_states_a_benchmarked_figure_the_page_does_not_hold(report):
