@@ -34,7 +34,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -195,30 +194,17 @@ def s3_rows(args, stores: dict[str, str], tmp: Path) -> list[dict]:
     repeat, a fresh dataset (and a fresh local cache for the peers, which download whole chunks or
     shards) reads every sample in a random order; time to the first sample, GB/s of the rest, and
     the GETs and bytes that passed the proxy per sample."""
-    import boto3
     import fsspec
     import litdata
     import requests
     import streaming
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from scale_s3 import LATENCY_S, STREAM_BYTES_S, wait_http
+    from scale_s3 import LATENCY_S, STREAM_BYTES_S, moto_behind_proxy
 
-    from deepspec.data.servers import free_port
     from deepspec.loader.dataset import TargetCacheDataset
 
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_EC2_METADATA_DISABLED="true",
-                      AWS_DEFAULT_REGION="us-east-1")
-    moto_port, proxy_port = free_port(), free_port()
-    moto, proxy = f"http://127.0.0.1:{moto_port}", f"http://127.0.0.1:{proxy_port}"
-    procs = [subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(moto_port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    try:
-        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / "scale_s3.py"),
-                                       "--serve-proxy", str(proxy_port), moto]))
-        wait_http(moto)
-        wait_http(proxy)
-        boto3.client("s3", endpoint_url=moto).create_bucket(Bucket="peers")
+    with moto_behind_proxy("peers") as (moto, proxy, _):
         direct = {"endpoint_url": moto, "key": "bench", "secret": "bench"}
         write_deepspec(tmp, args.samples, "s3://peers/deepspec.zarr", direct)
         fs = fsspec.filesystem("s3", **direct)
@@ -258,10 +244,6 @@ def s3_rows(args, stores: dict[str, str], tmp: Path) -> list[dict]:
                 del ds
         print(json.dumps({"proxy_latency_ms": LATENCY_S * 1e3, "proxy_stream_MB_s": STREAM_BYTES_S / 1e6}))
         return rows
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait(10)
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -53,6 +54,16 @@ def machine() -> str:
     except ImportError:
         words.append(f"Python {platform.python_version()}")
     return ", ".join(words)
+
+
+def redact(line: str, roots: tuple[str, ...]) -> str:
+    """A printed line without this machine's absolute paths (tracebacks, warnings): the checkout and
+    the working directory become relative, installed code and temporary files a placeholder."""
+    line = re.sub(r"/[^\s\"':]*/site-packages/", "<site-packages>/", line)
+    line = re.sub(r"/[^\s\"':]*/lib/python3\.\d+/", "<python>/", line)
+    for root in roots:
+        line = line.replace(root.rstrip("/") + "/", "")
+    return re.sub(re.escape(tempfile.gettempdir().rstrip("/")) + r"/[^\s\"':]*", "<tmp>", line)
 
 
 def minutes(seconds: float) -> str:
@@ -93,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     if proc.returncode != 0:
         print(f"record.py: {shlex.join(command)} exited with {proc.returncode}; nothing recorded", file=sys.stderr)
         return proc.returncode
-    shown = [line for line in lines if not FIGURE.match(line.strip()) and "\r" not in line]
+    roots = (str(Path.cwd()), str(RESULTS.parent.parent))
+    shown = [redact(line, roots) for line in lines if not FIGURE.match(line.strip()) and "\r" not in line]
     record = {"name": args.name, "title": args.title or args.name,
               "command": shlex.join(command), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
               "machine": machine(), "load_at_start": None if load is None else round(load, 1), "wall_s": round(wall, 1),

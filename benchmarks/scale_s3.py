@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import subprocess
@@ -96,6 +97,33 @@ def wait_http(url: str, seconds: float = 60) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
+@contextlib.contextmanager
+def moto_behind_proxy(bucket: str):
+    """moto_server on 127.0.0.1 holding `bucket`, and the throttling proxy in front of it (each its
+    own process): yields (moto URL, proxy URL); both stop on exit."""
+    import boto3
+
+    from deepspec.data.servers import free_port
+
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_EC2_METADATA_DISABLED="true",
+                      AWS_DEFAULT_REGION="us-east-1")
+    moto_port, proxy_port = free_port(), free_port()
+    moto_url, proxy_url = f"http://127.0.0.1:{moto_port}", f"http://127.0.0.1:{proxy_port}"
+    procs = [subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(moto_port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve-proxy", str(proxy_port),
+                                       moto_url]))
+        wait_http(moto_url)
+        wait_http(proxy_url)
+        boto3.client("s3", endpoint_url=moto_url).create_bucket(Bucket=bucket)
+        yield moto_url, proxy_url, procs
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=6, help="samples stored (each ~24 MB)")
@@ -108,7 +136,6 @@ def main() -> None:
     if args.serve_proxy:
         return serve_proxy(int(args.serve_proxy[0]), args.serve_proxy[1])
 
-    import boto3
     import numpy as np
     import psutil
     import torch
@@ -118,20 +145,9 @@ def main() -> None:
 
     from deepspec.cache.write.part_data import PartData
     from deepspec.cache.write.writer import CacheWriter
-    from deepspec.data.servers import free_port
     from deepspec.loader.dataset import TargetCacheDataset
 
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_EC2_METADATA_DISABLED="true",
-                      AWS_DEFAULT_REGION="us-east-1")
-    moto_port, proxy_port = free_port(), free_port()
-    moto_url, proxy_url = f"http://127.0.0.1:{moto_port}", f"http://127.0.0.1:{proxy_port}"
-    procs = [subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(moto_port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    try:
-        procs.append(subprocess.Popen([sys.executable, __file__, "--serve-proxy", str(proxy_port), moto_url]))
-        wait_http(moto_url)
-        wait_http(proxy_url)
-        boto3.client("s3", endpoint_url=moto_url).create_bucket(Bucket="bench")
+    with moto_behind_proxy("bench") as (moto_url, proxy_url, procs):
         H, T, n = 2560, args.tokens, args.samples
         flat = synthetic_flat(T * n, H, REF_LAYERS)
         direct = {"endpoint_url": moto_url, "key": "bench", "secret": "bench"}
@@ -180,10 +196,6 @@ def main() -> None:
         print(json.dumps({"latency_ms": LATENCY_S * 1e3, "stream_MB_s": STREAM_BYTES_S / 1e6,
                           "ideal_single_stream_MB_s_at_4MB": round(one, 1), "cpus": os.cpu_count(),
                           "table": rows}, indent=1))
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait(10)
 
 
 def compare_cat_ranges(options: dict, in_flight: list[int], repeats: int = 3) -> None:

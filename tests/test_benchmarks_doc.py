@@ -73,6 +73,16 @@ def test_a_recorded_run_keeps_its_output_and_figures_and_renders_into_the_page(r
     assert "ratio 0.93" in page and "A demo run" in page
 
 
+def test_a_record_holds_no_absolute_path_of_the_machine_it_ran_on(tmp_path):
+    import tempfile
+    printed = (f"print('{ROOT}/deepspec/io.py:3: warning'); print('{tempfile.gettempdir()}/run-x1/store ok'); "
+               f"print('{sys.prefix}/lib/python3.11/site-packages/torch/x.py')")
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "record.py"), "paths", "--results", str(tmp_path), "--",
+                    sys.executable, "-c", printed], check=True, capture_output=True, cwd=ROOT)
+    output = json.loads((tmp_path / "paths.json").read_text())["output"]
+    assert output == ["deepspec/io.py:3: warning", "<tmp> ok", "<site-packages>/torch/x.py"]
+
+
 def test_a_failed_run_records_nothing(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "record.py"), "demo", "--results", str(tmp_path),
                            "--", sys.executable, "-c", "raise SystemExit(3)"], capture_output=True)
