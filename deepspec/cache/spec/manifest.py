@@ -35,7 +35,7 @@ def _index_key(key: str) -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", validate_assignment=False)
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class PartEntry(_Strict):
@@ -58,7 +58,7 @@ class PartEntry(_Strict):
             raise refusal(e, where, f"part {name}") from None
         why = _entry_problem(entry)
         if why:
-            raise CacheFormatError(f"{where}part {name}: {why}")
+            raise CacheFormatError(f"{where}part {name}{why[0]}: {why[1]}")
         return entry
 
     def to_dict(self) -> dict:
@@ -68,11 +68,12 @@ class PartEntry(_Strict):
         return d
 
 
-def _entry_problem(p: PartEntry) -> str | None:
+def _entry_problem(p: PartEntry) -> tuple[str, str] | None:
+    """(the field's key path below the entry, what is wrong), or None."""
     if not PART_NAME.fullmatch(p.name):
-        return f"name {p.name[:80]!r} is not a part name (p + 6 digits or p + 24 hex digits)"
+        return ".name", f"{p.name[:80]!r} is not a part name (p + 6 digits or p + 24 hex digits)"
     if p.tokens < p.samples:
-        return f"{p.samples} samples in {p.tokens} tokens"
+        return "", f"{p.samples} samples in {p.tokens} tokens"
     return None
 
 
@@ -153,9 +154,9 @@ class Manifest(BaseModel, Mapping):
     def _named_once_and_sized(cls, parts: list[PartEntry]) -> list[PartEntry]:
         seen = set()
         for k, p in enumerate(parts):
-            why = _entry_problem(p) or (f"name {p.name} is listed twice" if p.name in seen else None)
+            why = _entry_problem(p) or ((".name", f"part {p.name} is listed twice") if p.name in seen else None)
             if why:
-                raise ValueError(f"parts[{k}].{why}" if why.startswith("name") else f"parts[{k}]: {why}")
+                raise ValueError(f"parts[{k}]{why[0]}: {why[1]}")
             seen.add(p.name)
         return parts
 
