@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from record import minutes  # the wall times a record shows, spelled the same way
+
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("split", "regen", "cache", "train", "eval", "export")
 
@@ -27,11 +29,6 @@ def timed(cmd: list[str], cwd: Path) -> float:
     start = time.perf_counter()
     subprocess.run(cmd, cwd=cwd, check=True, stdout=sys.stderr, stderr=sys.stderr)
     return time.perf_counter() - start
-
-
-def minutes(seconds: float) -> str:
-    m, s = divmod(round(seconds), 60)
-    return f"{m} min {s} s" if m else f"{s} s"
 
 
 def flat(d: dict, prefix: str = "") -> dict:

@@ -144,7 +144,7 @@ def stub_torchvision() -> None:
                         "torchvision.transforms.functional": functional})
 
 
-def datasets(stores: dict[str, str], n: int) -> dict:
+def datasets(stores: dict[str, str]) -> dict:
     """Contender name -> map-style dataset, each library's own."""
     import litdata
     import streaming
@@ -272,7 +272,7 @@ def main() -> None:
             s3 = s3_rows(args, stores, root)
         if args.s3_only:
             return print_s3(s3)
-        sets = datasets(stores, args.samples)
+        sets = datasets(stores)
         assert all(len(ds) == args.samples for ds in sets.values()), {k: len(v) for k, v in sets.items()}
         for i in random.Random(1).sample(range(args.samples), 3):  # the same sample from every store
             want = sample(i)

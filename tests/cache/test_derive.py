@@ -435,7 +435,7 @@ def test_torchrun_cache_stage_derives_a_layer_subset_over_gloo(tmp_path, trained
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the stage ran
     try:
-        expected = scratch(tmp_path, trained_target, SUBSET, regen_rows(30), part_tokens=150, threads=1)
+        expected = scratch(tmp_path, trained_target, SUBSET, regen_rows(30), part_tokens=150)
     finally:
         torch.set_num_threads(threads)
     same_store_any_rank(str(work / "data/cache.zarr"), expected)
