@@ -2,9 +2,9 @@
 
     python -m tests.cache.make_golden
 
-Writes the stores of the current format version only (STORES_V3 now); the v1 stores (STORES) were
-written by the v1 writer (commit 8a04f09 and before), the v2 ones (STORES_V2) by the v2 writer, and
-neither is ever rewritten. Rerun only when the
+Writes the stores of the current format version only (STORES_V4 now); the v1 stores (STORES) were
+written by the v1 writer (commit 8a04f09 and before), the v2 ones (STORES_V2) by the v2 writer, the
+v3 ones (STORES_V3) by the v3 writer, and none of them is ever rewritten. Rerun only when the
 format version changes: the point of the fixtures is that they were written by an earlier writer,
 so a reader change that misreads existing stores fails. Values come from `golden_parts()`, which
 the test recomputes: numpy's PCG64 with fixed seeds, no torch randomness.
@@ -25,7 +25,11 @@ STORES_V2 = [("v2-zarr-bf16", "zarr", "bfloat16", "none"), ("v2-hdf5-fp8-zstd", 
 # format version 3: content keys (sample_key arrays, index columns key_hi/key_lo), parts named by
 # their content, the index a content-named object (index/<hash>)
 STORES_V3 = [("v3-zarr-bf16", "zarr", "bfloat16", "none"), ("v3-hdf5-fp8-zstd", "hdf5", "fp8", "blosc-zstd")]
-VERSION = {**{s[0]: 1 for s in STORES}, **{s[0]: 2 for s in STORES_V2}, **{s[0]: 3 for s in STORES_V3}}
+# format version 4: an uncompressed Zarr array keeps its chunks' crc32cs in a table after them
+STORES_V4 = [("v4-zarr-bf16", "zarr", "bfloat16", "none"), ("v4-hdf5-fp8-zstd", "hdf5", "fp8", "blosc-zstd")]
+VERSION = {**{s[0]: 1 for s in STORES}, **{s[0]: 2 for s in STORES_V2}, **{s[0]: 3 for s in STORES_V3},
+           **{s[0]: 4 for s in STORES_V4}}
+ALL_STORES = STORES + STORES_V2 + STORES_V3 + STORES_V4
 
 
 def golden_values(seed: int, lengths: list[int]) -> dict:
@@ -73,7 +77,7 @@ def main() -> None:
 
     from deepspec.cache.spec.format import FORMAT_VERSION
 
-    for name, storage, dtype, codec in STORES + STORES_V2 + STORES_V3:
+    for name, storage, dtype, codec in ALL_STORES:
         if VERSION[name] != FORMAT_VERSION:
             continue  # written by an earlier writer: never rewritten
         dst = GOLDEN / name

@@ -14,6 +14,7 @@ import deepspec.cache.read.checks as checks
 import deepspec.cache.read.shards as shard_reader_mod
 from deepspec.cache.read.checks import Checker, ChecksumError, crc32c_concat, first_bad
 from deepspec.cache.read.reader import CacheReader
+from tests.cache.old_layout import to_trailer_layout
 from tests.loader.test_loader import H, synthetic_parts, write_store
 
 
@@ -99,54 +100,72 @@ def test_a_batch_names_the_first_bad_chunk_of_buffers_that_cross_chunk_edges(bad
     assert first_bad(stored.tobytes(), chunk, bufs) == (bad[0] if bad else -1)  # the inline check agrees
 
 
-CHUNK = 16 * H * 2 + 4  # chunk_tokens 16, bf16, crc32c trailer
+BODY = 16 * H * 2  # a chunk's rows: chunk_tokens 16, bf16
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
+@pytest.fixture(scope="module", params=["v4", "trailers"])
+def store(request, tmp_path_factory):
+    """The same store in v4's layout (crc32cs in a table after the chunks) and in the one before
+    (each chunk followed by its crc32c): damage is placed by the layout's own arithmetic."""
     parts = synthetic_parts(parts=1, samples=8)
     url = write_store(str(tmp_path_factory.mktemp("checks") / "c.zarr"), parts)
+    if request.param == "trailers":
+        assert to_trailer_layout(url)
     shard = Path(url) / "parts" / "p000000" / "hidden" / "7" / "c" / "0" / "0"
-    return url, shard, shard.read_bytes()
+    return url, shard, shard.read_bytes(), request.param
+
+
+def chunk_at(layout: str, raw: bytes, chunk: int) -> int:
+    return chunk * (BODY + (4 if layout == "trailers" else 0))
+
+
+def stored_crc_at(layout: str, raw: bytes, chunk: int) -> int:
+    if layout == "trailers":
+        return chunk_at(layout, raw, chunk) + BODY
+    n = (len(raw) - 8) // (BODY + 20)  # chunks, a table entry and an index entry each, two crc32cs
+    return n * BODY + 4 * chunk
 
 
 # (bytes to flip, the chunk named) for a read of rows 20..70: chunks 1..4, with rows 16..19 of
-# chunk 1 and rows 70..79 of chunk 4 read to scratch
+# chunk 1 and rows 70..79 of chunk 4 outside the range (read to scratch, or only checked)
 DAMAGE = {
-    "a row before the range in the first chunk": ([1 * CHUNK + 1 * H * 2 + 3], 1),
-    "inside a middle chunk": ([2 * CHUNK + 100], 2),
-    "a stored checksum": ([3 * CHUNK + 16 * H * 2 + 1], 3),
-    "a row after the range in the last chunk": ([4 * CHUNK + 11 * H * 2 + 5], 4),
-    "two chunks (the first in read order is named)": ([4 * CHUNK + 9, 2 * CHUNK + 9], 2),
+    "a row before the range in the first chunk": (lambda k, r: [chunk_at(k, r, 1) + 1 * H * 2 + 3], 1),
+    "inside a middle chunk": (lambda k, r: [chunk_at(k, r, 2) + 100], 2),
+    "a stored checksum": (lambda k, r: [stored_crc_at(k, r, 3) + 1], 3),
+    "a row after the range in the last chunk": (lambda k, r: [chunk_at(k, r, 4) + 11 * H * 2 + 5], 4),
+    "two chunks (the first in read order is named)": (lambda k, r: [chunk_at(k, r, 4) + 9, chunk_at(k, r, 2) + 9], 2),
 }
 
 
 @pytest.mark.parametrize("threads,run_chunks", [(0, None), (1, 1), (2, 2), (1, 3), (1, None)])
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_every_corrupt_byte_a_read_touches_is_named_by_its_chunk(store, monkeypatch, damage, threads, run_chunks):
-    url, shard, clean = store
+    url, shard, clean, layout = store
     if run_chunks:  # runs of one or two chunks, each checked by whichever thread takes it
-        monkeypatch.setattr(shard_reader_mod, "CHECK_BYTES", run_chunks * CHUNK)
+        monkeypatch.setattr(shard_reader_mod, "CHECK_BYTES", run_chunks * (BODY + (4 if layout == "trailers" else 0)))
     else:  # the default: one run for the whole read (not worth a thread at this size)
         monkeypatch.setattr(shard_reader_mod, "CHECK_BYTES", 64 << 20)
     reader = CacheReader(url)
     reader.set_check_threads(threads)
     want, first = reader.read_array(0, "hidden/7", 20, 70), reader.read_array(0, "hidden/7", 0, 16)
-    positions, chunk = DAMAGE[damage]
+    where, chunk = DAMAGE[damage]
     data = bytearray(clean)
-    for p in positions:
+    for p in where(layout, clean):
         data[p] ^= 0x04
     try:
         shard.write_bytes(bytes(data))
         reader = CacheReader(url)
         reader.set_check_threads(threads)
-        with pytest.raises(ChecksumError, match=rf"p000000/hidden/7/c/0/0: chunk {chunk} checksum mismatch"):
+        table = damage == "a stored checksum" and layout == "v4"  # the table's own crc32c names it first
+        named = "chunk crc32c table checksum mismatch" if table else f"chunk {chunk} checksum mismatch"
+        with pytest.raises(ChecksumError, match=rf"p000000/hidden/7/c/0/0: {named}"):
             with reader.checked():
                 reader.read_array(0, "hidden/7", 20, 70)
                 reader.read_array(0, "hidden/3", 20, 70)  # a clean array read after it, same block
-        if threads and run_chunks:  # the checks ran on the helpers asked for
+        if threads and run_chunks and not table:  # the checks ran on the helpers asked for
             assert isinstance(reader._process_state()[3]._checker, checks.Checker)
-        assert np.array_equal(reader.read_array(0, "hidden/7", 0, 16), first)  # chunk 0 is intact and reads
+        if not table:  # chunk 0 is intact and reads (a corrupt table leaves no chunk checkable)
+            assert np.array_equal(reader.read_array(0, "hidden/7", 0, 16), first)
     finally:
         shard.write_bytes(clean)
     assert np.array_equal(CacheReader(url).read_array(0, "hidden/7", 20, 70), want)

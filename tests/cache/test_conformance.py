@@ -444,8 +444,8 @@ def test_the_manifest_is_typed_and_keeps_unknown_keys(where):
     assert isinstance(m.parts[0], PartEntry) and m.parts[0].tokens == int(make_part("p000000", 1).lengths.sum())
     assert m.extra == {"imported_from": {"format": "x"}} and m["imported_from"] == {"format": "x"}
     assert Manifest.from_dict(m.to_dict()) == m
-    with pytest.raises(CacheFormatError, match="format_version 4 is not supported"):
-        Manifest.from_dict(dict(m.to_dict(), format_version=4))
+    with pytest.raises(CacheFormatError, match="format_version 5 is not supported"):
+        Manifest.from_dict(dict(m.to_dict(), format_version=5))
 
 
 def test_reading_a_layer_that_is_not_cached_names_it(where):

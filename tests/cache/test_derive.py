@@ -9,12 +9,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from deepspec.cache.build.stage import build_cache
 from deepspec.cache.build.derive import OLD, STAGING, recover
 from deepspec.cache.read.reader import CacheReader
+from deepspec.cache.spec.format import FORMAT_VERSION
 from deepspec.cache.tools.verify import verify
 from deepspec.cli import main as cli
 from deepspec.config import CacheConfig
@@ -110,6 +112,31 @@ def test_layer_subset_is_linked_from_the_current_store_and_equals_a_from_scratch
                if "/hidden/0/" in k or "/last_hidden/" in k)
     assert not any((Path(url).parent / (Path(url).name + s)).exists() for s in (STAGING, OLD))
     assert manifest(url)["derived_from"] == derive["derived_from"]  # the manifest names its source
+
+
+def test_a_v3_store_is_linked_into_a_v4_store_without_a_forward(tmp_path, trained_target):
+    """Format v4 moved the chunks' crc32cs; a v3 store of the same input (content-named parts) is
+    derived by hard links, not computed again, and its arrays keep the layout they were written with."""
+    from tests.cache.old_layout import to_v3_store
+
+    work = workdir(tmp_path / "a", trained_target, regen_rows(30))
+    url = str(work / "data" / "cache.zarr")
+    build(work, LAYERS)
+    to_v3_store(url)
+    assert CacheReader(url).manifest.format_version == 3
+    report = build(work, LAYERS)
+    assert report["mode"] == "derived" and report["forward_s"] == 0
+    assert report["derive"]["parts_computed"] == 0 and report["derive"]["method"] == ["hardlink"]
+    fresh = scratch(tmp_path, trained_target, LAYERS, regen_rows(30))
+    a, b = CacheReader(url), CacheReader(fresh)
+    assert a.manifest.format_version == b.manifest.format_version == FORMAT_VERSION
+    assert [p.name for p in a.manifest.parts] == [p.name for p in b.manifest.parts]
+    assert not a.array_layout(0, "hidden/0").crc_table and b.array_layout(0, "hidden/0").crc_table
+    for k in range(len(b)):
+        x, y = a.read(k), b.read(k)
+        assert all(np.array_equal(x[f], y[f]) for f in ("input_ids", "loss_mask"))
+        assert all(np.array_equal(x[layer][0], y[layer][0]) for layer in [*LAYERS, "last"])
+    assert verify(url)["ok"]
 
 
 @pytest.mark.parametrize("dtype,codec", [("fp8", "none"), ("bfloat16", "blosc-zstd"), ("fp8", "blosc-lz4")])

@@ -1,5 +1,5 @@
 """Golden stores of every backend, written once by tests/cache/make_golden.py and checked in (v1 by
-the v1 writer, v2 by the v2 writer, v3 by the v3 writer): a reader change that misreads a store
+the v1 writer, v2 by the v2 writer, v3 by the v3 writer, v4 by the v4 writer): a reader change that misreads a store
 written by an earlier writer fails here."""
 import shutil
 
@@ -11,8 +11,8 @@ from deepspec.cache.spec.format import decode_hidden, part_name, sample_keys
 from deepspec.cache.read.reader import CacheReader
 from deepspec.cache.tools.verify import info, verify
 from deepspec.loader.dataset import TargetCacheDataset
-from tests.cache.make_golden import (GOLDEN, LAYERS, PARTS, SAMPLE_IDS, STORES, STORES_V2, STORES_V3,
-                                     VERSION, golden_values)
+from deepspec.cache.spec.format import FORMAT_VERSION
+from tests.cache.make_golden import ALL_STORES, GOLDEN, LAYERS, PARTS, SAMPLE_IDS, VERSION, golden_values
 
 
 def golden_keys(part) -> np.ndarray:
@@ -28,7 +28,7 @@ def golden_name(part, version: int) -> str:
     return part_name(golden_keys(part), np.array(SAMPLE_IDS[part[0]], dtype=np.uint64))
 
 
-@pytest.mark.parametrize("name,storage,dtype,codec", STORES + STORES_V2 + STORES_V3)
+@pytest.mark.parametrize("name,storage,dtype,codec", ALL_STORES)
 @pytest.mark.parametrize("fast", [True, False])
 def test_golden_store_reads_back_the_values_it_was_written_with(name, storage, dtype, codec, fast):
     url = str(GOLDEN / name)
@@ -67,7 +67,7 @@ def test_golden_store_reads_back_the_values_it_was_written_with(name, storage, d
     assert k == len(ds)
 
 
-@pytest.mark.parametrize("name,storage,dtype,codec", STORES + STORES_V2 + STORES_V3)
+@pytest.mark.parametrize("name,storage,dtype,codec", ALL_STORES)
 def test_golden_store_verifies_and_reports(name, storage, dtype, codec, tmp_path):
     url = str(tmp_path / name)
     shutil.copytree(GOLDEN / name, url)  # verify reads only, but keep the checked-in files untouched
@@ -75,18 +75,20 @@ def test_golden_store_verifies_and_reports(name, storage, dtype, codec, tmp_path
     assert info(url)["storage"] == storage and info(url)["samples"] == 3
 
 
-@pytest.mark.parametrize("name", ["zarr-bf16", "hdf5-fp8-zstd", "v2-zarr-bf16", "v2-hdf5-fp8-zstd"])
-def test_an_earlier_store_derives_into_a_v3_store_with_the_same_samples(name, tmp_path):
-    """format_version is content (§8): a v3 writer never adds parts to a v1/v2 store; `deepspec cache
-    derive` migrates one part for part (hard links for Zarr, nothing recomputed), adding the content
-    keys and naming each part by its content."""
+@pytest.mark.parametrize("name", ["zarr-bf16", "hdf5-fp8-zstd", "v2-zarr-bf16", "v2-hdf5-fp8-zstd", "v3-zarr-bf16",
+                                  "v3-hdf5-fp8-zstd"])
+def test_an_earlier_store_derives_into_a_current_store_with_the_same_samples(name, tmp_path):
+    """format_version is content (§8): a writer never adds parts to a store of an earlier version;
+    `deepspec cache derive` migrates one part for part (hard links for Zarr, nothing recomputed: a
+    linked array keeps the chunk layout it was written with), adding the content keys (before v3)
+    and naming each part by its content."""
     from deepspec.cache.build.derive import derive_store
 
     src = str(tmp_path / name)
     shutil.copytree(GOLDEN / name, src)
     out = derive_store(src, str(tmp_path / "v3"))
     a, b = CacheReader(src), CacheReader(str(tmp_path / "v3"))
-    assert a.manifest.format_version == VERSION[name] and b.manifest.format_version == 3
+    assert a.manifest.format_version == VERSION[name] and b.manifest.format_version == FORMAT_VERSION
     assert b.manifest.index is not None
     assert out["parts_derived"] == 2 and list(a.sample_ids()) == list(b.sample_ids())
     assert [p.name for p in b.manifest.parts] == [golden_name(part, 3) for part in PARTS]

@@ -34,6 +34,18 @@ class ArrayLayout:
     checksum: str = "crc32c"             # per-chunk trailer: "crc32c" (Zarr) or "fletcher32" (HDF5)
     table: np.ndarray | None = None      # [n_chunks, 2] (offset, nbytes), trailer included
     crcs: np.ndarray | None = None       # HDF5: crc32c of each chunk's bytes before its trailer
+    crc_table: bool = False              # Zarr v4: no trailers; the crc32cs are in a table before the index
+
+    @property
+    def trailer(self) -> int:
+        """Bytes after each chunk's body: its checksum, unless the crc32cs are in the table."""
+        return 0 if self.crc_table else 4
+
+    @property
+    def suffix_bytes(self) -> int:
+        """Bytes at the end of a Zarr shard that locate and check its chunks: the index (16 bytes a
+        chunk) and its crc32c, after the crc32c table (4 bytes a chunk) and its crc32c in v4."""
+        return 16 * self.n_chunks + 4 + (4 * self.n_chunks + 4 if self.crc_table else 0)
     name: str = ""                       # "parts/<part>: <array>", for error messages
 
 

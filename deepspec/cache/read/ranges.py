@@ -9,6 +9,7 @@ up to 100 requests of one range before a read failed.)"""
 from __future__ import annotations
 
 import collections
+import mmap
 import os
 import threading
 
@@ -42,6 +43,7 @@ class ByteRanges:
         self.remote = is_remote(url)
         self.retries = retries
         self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._maps: collections.OrderedDict[str, memoryview] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.cached = self.async_reads = False
         if self.remote:
@@ -82,6 +84,25 @@ class ByteRanges:
             self._fds[key] = fd
             return fd
 
+    def view(self, key: str) -> memoryview:
+        """Local file `key` mapped read-only, kept beside its descriptor (a map outlives an evicted
+        entry only as long as a view of it is in use). Its length is the file's size when mapped:
+        a reader checks a range against it before touching it, so a file shorter than its index
+        says raises instead of faulting."""
+        with self._lock:
+            got = self._maps.get(key)
+            if got is not None:
+                self._maps.move_to_end(key)
+                return got
+        fd = self.fd(key)
+        size = os.fstat(fd).st_size
+        got = memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_READ)) if size else memoryview(b"")
+        with self._lock:
+            self._maps[key] = got
+            if len(self._maps) > MAX_OPEN_FILES:
+                self._maps.popitem(last=False)
+        return got
+
     def size(self, key: str) -> int:
         if self.remote:
             return int(self.fs.size(f"{self.root}/{key}"))
@@ -118,3 +139,4 @@ class ByteRanges:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+            self._maps.clear()

@@ -4,18 +4,18 @@ arrays whose layout it recognises and reads the others through the store's libra
 
 zarr-python's array API pays Python overhead per inner chunk; reading one sample through it is
 several times slower than reading the same bytes from a flat file. The fast path stays inside the
-Zarr v3 format: it caches each shard's index, reads a sample's contiguous chunk range with one
-`os.pread` (local) or one range request (fsspec), checks every chunk's crc32c and decodes with the
-array's own codec chain.
+Zarr v3 format: it caches each shard's index (and v4's crc32c table), reads a sample's contiguous
+chunk range with one copy out of the file's map (v4, uncompressed: the rows lie back to back),
+one `os.preadv` (older local shards, whose chunks each end with a crc32c) or one range request
+(fsspec), checks every chunk's crc32c and decodes with the array's own codec chain.
 
-Checking costs about half as much CPU as reading the bytes from the page cache (crc32c ~10-12 GB/s
-over memory not in the CPU's caches, a page-cache copy ~6 GB/s on one core), so done in the reading
-thread it takes a third of a local read. With `check_threads` the checks of uncompressed local
-arrays run on helper threads (deepspec/cache/read/checks.py; crc32c releases the GIL): an array is read
-in runs and each run's
-check overlaps the read of the next; inside `ShardReader.deferred()` the checks of one array
-overlap the reads of the next array too. The block's exit checks what is left on its own thread
-as well, waits for the rest and raises the first mismatch, so nothing unchecked leaves a
+A crc32c costs about as much CPU as the copy it checks, so done in the reading thread it would
+nearly halve a local read's speed (benchmarks/loader.py --checks). With `check_threads` the checks
+of uncompressed local arrays run on helper threads (deepspec/cache/read/checks.py; crc32c releases
+the GIL): an array is copied in runs and each run's check overlaps the copy of the next; inside
+`ShardReader.deferred()` the checks of one array overlap the copies of the next array too. The
+block's exit checks what is left on its own thread as well, waits for the rest and raises the
+first mismatch, so nothing unchecked leaves a
 `CacheReader.read` or a dataset item.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from deepspec.cache.storage.bounded import BoundedCache
 from deepspec.cache.read.checks import Batch, ChecksumError, checker, first_bad, mismatch
 from deepspec.cache.spec.format import CacheFormatError
 from deepspec.cache.read.ranges import ByteRanges, preadv_all
-from deepspec.cache.backends.zarr.layout import EMPTY
+from deepspec.cache.backends.zarr.layout import EMPTY, split_suffix
 
 from crc32c import crc32c as _crc32c
 
@@ -53,7 +53,8 @@ class ShardReader:
         # the crc32c recorded for it in the chunk table
         self.strict = strict
         # per array: (chunk index [n_chunks, 2], dense: every chunk present and stored back to back, in
-        # order); bounded, least recently used out (bounded.py): a process reads a whole store per epoch
+        # order, crc32c per chunk from a table (Zarr v4, HDF5) or None (in each chunk's trailer));
+        # bounded, least recently used out (bounded.py): a process reads a whole store per epoch
         self.tables = BoundedCache(self.TABLE_BYTES)
 
     # chunk indexes kept per process (a reference-size part's array: ~256 KB). A sampler that draws from
@@ -63,30 +64,35 @@ class ShardReader:
     def index(self, layout: ArrayLayout) -> np.ndarray:
         return self._table(layout)[0]
 
-    def _table(self, layout: ArrayLayout) -> tuple[np.ndarray, bool]:
+    def _table(self, layout: ArrayLayout) -> tuple[np.ndarray, bool, np.ndarray | None]:
         got = self.tables.get(layout.key if layout.table is None else layout.name)
         if got is not None:
             return got
         if layout.table is not None:  # recorded when the part committed (HDF5)
             idx = layout.table
             row = layout.chunk_rows * layout.row_bytes + 4
-            got = (idx, bool(len(idx) and (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all() and (idx[:, 1] == row).all()))
+            got = (idx, bool(len(idx) and (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all() and (idx[:, 1] == row).all()),
+                   layout.crcs)
             self.tables[layout.name] = got
             return got
-        nbytes = 16 * layout.n_chunks + 4
+        nbytes = layout.suffix_bytes
         size = self.files.size(layout.key)
         if size < nbytes:
             raise CacheFormatError(f"{layout.name or layout.key}: {size} bytes cannot hold the index of its "
                                    f"{layout.n_chunks} chunks")
         return self._keep_index(layout, self.files.read(layout.key, size - nbytes, size))
 
-    def _keep_index(self, layout: ArrayLayout, raw: bytes) -> tuple[np.ndarray, bool]:
-        """A Zarr shard's index (the last 16 * n_chunks + 4 bytes of its file), checked and kept."""
-        body, crc = raw[:-4], int.from_bytes(raw[-4:], "little")
-        if len(raw) != 16 * layout.n_chunks + 4 or _crc32c(body) != crc:
-            raise ChecksumError(f"{layout.key}: shard index checksum mismatch")
-        idx = np.frombuffer(body, dtype="<u8").reshape(layout.n_chunks, 2)
-        got = (idx, bool((idx[:, 0] != EMPTY).all() and idx[0, 0] == 0 and (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all()))
+    def _keep_index(self, layout: ArrayLayout, raw: bytes) -> tuple[np.ndarray, bool, np.ndarray | None]:
+        """A Zarr shard's index and, in v4, its crc32c table (the last layout.suffix_bytes bytes of
+        its file), checked and kept."""
+        try:
+            idx, crcs = split_suffix(layout, raw)
+        except ValueError as e:
+            raise ChecksumError(f"{layout.key}: {e}") from None
+        dense = bool((idx[:, 0] != EMPTY).all() and idx[0, 0] == 0 and (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all())
+        if layout.crc_table and not layout.blosc:  # v4 rows back to back: every chunk full size
+            dense = dense and bool((idx[:, 1] == layout.chunk_rows * layout.row_bytes).all())
+        got = (idx, dense, crcs)
         self.tables[layout.key] = got
         return got
 
@@ -97,16 +103,16 @@ class ShardReader:
         todo = list({lay.key: lay for lay in layouts if lay.table is None and lay.key not in self.tables}.values())
         if len(todo) < 2 or not self.files.remote or not self.files.async_reads:
             return
-        raws = self.files.read_ranges([(lay.key, -(16 * lay.n_chunks + 4), None) for lay in todo], in_flight)
+        raws = self.files.read_ranges([(lay.key, -lay.suffix_bytes, None) for lay in todo], in_flight)
         for lay, raw in zip(todo, raws):
             self._keep_index(lay, raw)
 
-    def _decode(self, layout: ArrayLayout, payload: memoryview, chunk: int) -> np.ndarray:
-        body = payload[:-4]
+    def _decode(self, layout: ArrayLayout, payload: memoryview, chunk: int, crcs: np.ndarray | None) -> np.ndarray:
+        body = payload[:-4] if layout.trailer else payload
         if self.verify:
-            if layout.crcs is not None:  # HDF5: crc32c from the chunk table (+ Fletcher-32 when strict)
-                ok = _crc32c(body) == int(layout.crcs[chunk])
-                ok = ok and (not self.strict or fletcher32_matches(body, bytes(payload[-4:])))
+            if crcs is not None:  # crc32c from a table: Zarr v4's, or HDF5's chunk table (+ Fletcher-32 when strict)
+                ok = _crc32c(body) == int(crcs[chunk])
+                ok = ok and (layout.crc_table or not self.strict or fletcher32_matches(body, bytes(payload[-4:])))
             elif layout.checksum == "fletcher32":
                 ok = fletcher32_matches(body, bytes(payload[-4:]))
             else:
@@ -134,11 +140,14 @@ class ShardReader:
         if stop <= start:
             return out
         c0, c1 = start // layout.chunk_rows, (stop - 1) // layout.chunk_rows
-        idx, dense = self._table(layout)
+        idx, dense, crcs = self._table(layout)
         offs, sizes = idx[c0:c1 + 1, 0], idx[c0:c1 + 1, 1]
         if (not layout.blosc and not self.files.remote and out.flags.c_contiguous and layout.dtype.isnative
-                and not (self.verify and layout.checksum == "fletcher32"
-                         and (self.strict or layout.crcs is None))):
+                and layout.crc_table and dense):
+            return self._copy(layout, start, stop, c0, c1, crcs, out)
+        if (not layout.blosc and not self.files.remote and out.flags.c_contiguous and layout.dtype.isnative
+                and not layout.crc_table and not (self.verify and layout.checksum == "fletcher32"
+                                                  and (self.strict or layout.crcs is None))):
             gaps = None
             if not dense and layout.table is not None:  # HDF5 puts a few KB of metadata after a chunk or two
                 gaps = offs[1:].astype(np.int64) - (offs[:-1] + sizes[:-1]).astype(np.int64)
@@ -148,7 +157,7 @@ class ShardReader:
                 return self._scatter(layout, start, stop, c0, c1, int(idx[c0, 0]), out, gaps)
         spans = self._spans(layout, c0, c1, offs, sizes)
         payloads = [memoryview(self.files.read(layout.key, a, b)) for a, b in spans]
-        return self._fill(layout, start, stop, c0, c1, offs, sizes, spans, payloads, out)
+        return self._fill(layout, start, stop, c0, c1, offs, sizes, spans, payloads, out, crcs)
 
     def read_rows_many(self, requests: list[tuple], in_flight: int, range_bytes: int) -> list[np.ndarray]:
         """read_rows for each (layout, start, stop, out) of `requests`, with their byte ranges (cut to
@@ -163,24 +172,24 @@ class ShardReader:
                 plans.append((layout, start, stop, out, None))
                 continue
             c0, c1 = start // layout.chunk_rows, (stop - 1) // layout.chunk_rows
-            idx = self.index(layout)
+            idx, _, crcs = self._table(layout)
             offs, sizes = idx[c0:c1 + 1, 0], idx[c0:c1 + 1, 1]
             spans = self._spans(layout, c0, c1, offs, sizes)
             pieces = []  # per span: the indices of its pieces in `ranges`
             for a, b in spans:
                 pieces.append(range(len(ranges), len(ranges) + -(-(b - a) // range_bytes)))
                 ranges += [(layout.key, x, min(b, x + range_bytes)) for x in range(a, b, range_bytes)]
-            plans.append((layout, start, stop, out, (c0, c1, offs, sizes, spans, pieces)))
+            plans.append((layout, start, stop, out, (c0, c1, offs, sizes, spans, pieces, crcs)))
         data = self.files.read_ranges(ranges, in_flight)
         result = []
         for layout, start, stop, out, plan in plans:
             if plan is not None:
-                c0, c1, offs, sizes, spans, pieces = plan
+                c0, c1, offs, sizes, spans, pieces, crcs = plan
                 payloads = [memoryview(data[p[0]] if len(p) == 1 else b"".join(data[i] for i in p)) for p in pieces]
                 for (a, b), payload in zip(spans, payloads):
                     if len(payload) != b - a:
                         raise CacheFormatError(f"{layout.key}: short read ({len(payload)} of {b - a} bytes at {a})")
-                self._fill(layout, start, stop, c0, c1, offs, sizes, spans, payloads, out)
+                self._fill(layout, start, stop, c0, c1, offs, sizes, spans, payloads, out, crcs)
             result.append(out)
         return result
 
@@ -197,7 +206,7 @@ class ShardReader:
         return [(int(o), int(o + n)) for o, n in zip(offs, sizes)]
 
     def _fill(self, layout: ArrayLayout, start: int, stop: int, c0: int, c1: int, offs: np.ndarray,
-              sizes: np.ndarray, spans: list, payloads: list, out: np.ndarray) -> np.ndarray:
+              sizes: np.ndarray, spans: list, payloads: list, out: np.ndarray, crcs: np.ndarray | None) -> np.ndarray:
         """Check and decode chunks c0..c1, held by the bytes of `spans` (_spans), into rows
         [start, stop) of `out`."""
         row_shape, per_chunk = layout.shape[1:], layout.chunk_rows
@@ -205,9 +214,49 @@ class ShardReader:
         for k, c in enumerate(range(c0, c1 + 1)):
             off, size = int(offs[k]), int(sizes[k])
             payload = payloads[0][off - base:off - base + size] if len(spans) == 1 else payloads[k]
-            values = self._decode(layout, payload, c).reshape(per_chunk, *row_shape)
+            values = self._decode(layout, payload, c, crcs).reshape(per_chunk, *row_shape)
             lo, hi = max(start, c * per_chunk), min(stop, (c + 1) * per_chunk)
             out[lo - start:hi - start] = values[lo - c * per_chunk:hi - c * per_chunk]
+        return out
+
+    def _copy(self, layout: ArrayLayout, start: int, stop: int, c0: int, c1: int, crcs: np.ndarray,
+              out: np.ndarray) -> np.ndarray:
+        """Uncompressed local chunks of a v4 Zarr shard, whose rows lie back to back in the file: rows
+        [start, stop) are copied out of the file's map (ByteRanges.view) into `out`, in runs of about
+        CHECK_BYTES, and each run's chunks are checked against the table's crc32cs (checks.first_bad)
+        over the copied bytes plus the rows of the first/last chunk outside the range, read from the
+        map. A copy of page-cache bytes is fastest as one large memcpy (the kernel's copy of a pread,
+        or many chunk-sized copies, run at about half of it: benchmarks/copy_pieces.py), which the
+        rows' adjacency allows. With checksum threads each run's check is handed off as soon as it
+        is copied, as in _scatter."""
+        C, row_bytes = layout.chunk_rows, layout.row_bytes
+        chunk_bytes = C * row_bytes
+        view = self.files.view(layout.key)
+        if (c1 + 1) * chunk_bytes > len(view):
+            raise CacheFormatError(f"{layout.name or layout.key}: chunks {c0}..{c1} end past its {len(view)} bytes")
+        src = np.frombuffer(view, np.uint8)
+        dst = out.reshape(-1).view(np.uint8)
+        if not self.verify:
+            np.copyto(dst, src[start * row_bytes:stop * row_bytes])
+            return out
+        n_chunks = c1 - c0 + 1
+        threaded = self.check_threads and (stop - start) * row_bytes >= CHECK_BYTES // 8
+        step = max(1, CHECK_BYTES // chunk_bytes) if threaded else n_chunks
+        name = layout.name or layout.key
+        stored = memoryview(crcs[c0:c1 + 1].astype("<u4", copy=False).tobytes())
+        batch = (self._pending or self._batch()) if threaded else None
+        for k in range(0, n_chunks, step):
+            k1 = min(k + step, n_chunks)
+            lo, hi = max(start, (c0 + k) * C), min(stop, (c0 + k1) * C)
+            np.copyto(dst[(lo - start) * row_bytes:(hi - start) * row_bytes], src[lo * row_bytes:hi * row_bytes])
+            segments = [src[(c0 + k) * C * row_bytes:lo * row_bytes], dst[(lo - start) * row_bytes:(hi - start) * row_bytes],
+                        src[hi * row_bytes:(c0 + k1) * C * row_bytes]]
+            if batch is not None:
+                batch.check(stored[4 * k:4 * k1], chunk_bytes, segments, name, c0 + k)
+            elif (bad := first_bad(stored[4 * k:4 * k1], chunk_bytes, segments)) >= 0:
+                raise mismatch(name, c0 + k + bad)
+        if batch is not None and batch is not self._pending:
+            batch.wait()
         return out
 
     def _scatter(self, layout: ArrayLayout, start: int, stop: int, c0: int, c1: int, base: int,

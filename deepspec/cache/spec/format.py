@@ -13,7 +13,9 @@ A store is a Zarr v3 group (its attributes are the manifest) or, with `cache.for
     last_hidden  uint16 [t, H]   (post-norm)          | uint8 [t, H]
     scale/<name> float32 [t]     per-token scale, 8-bit mode only (<name> = layer id or "last")
 
-Zarr: every array is one shard (one file) of small inner chunks, each chunk followed by its crc32c.
+Zarr: every array is one shard (one file) of small inner chunks; v4 keeps the crc32c of an uncompressed
+array's chunks in a table after them (the chunk bodies, and so a sample's rows, lie back to back),
+before v4 (and for compressed arrays) each chunk is followed by its crc32c.
 HDF5: every array is a chunked dataset with a Fletcher-32 per chunk (docs/cache-format.md §11).
 """
 from __future__ import annotations
@@ -24,11 +26,15 @@ import numpy as np
 import torch
 
 FORMAT = "deepspec-cache"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # versions this code reads: v1 lists every part in the root manifest (rewritten after each part);
 # v2 commits a part without touching the root and consolidates a per-sample index once per run;
-# v3 names every part by its content (the keys of its samples) and keys every sample by its content
-READ_VERSIONS = (1, 2, 3)
+# v3 names every part by its content (the keys of its samples) and keys every sample by its content;
+# v4 moves an uncompressed chunk's crc32c from behind the chunk into a table before the shard's index
+READ_VERSIONS = (1, 2, 3, 4)
+# a Zarr array's attribute naming where its chunks' crc32cs are (docs/cache-format.md §6): "table"
+CHUNK_CRC32C = "deepspec_chunk_crc32c"
+
 # the consolidated index, uint64 [samples, len(columns)]; v3 adds the sample's content key
 INDEX_COLUMNS_V2 = ("part", "offset", "length", "sample_id")
 INDEX_COLUMNS = (*INDEX_COLUMNS_V2, "key_hi", "key_lo")
@@ -107,8 +113,15 @@ BLOSC = {  # codec name -> numcodecs/zarr Blosc settings (one place for writer, 
 }
 
 
+def crc_table(codec: str) -> bool:
+    """Whether an array of `codec` keeps its chunks' crc32cs in a table (v4, uncompressed: the rows
+    of its chunks then lie back to back in the shard) rather than behind each chunk."""
+    return codec == "none"
+
+
 def inner_codecs(codec: str, typesize: int):
-    """Codec chain of every inner chunk: bytes [-> blosc] -> crc32c."""
+    """Codec chain of every inner chunk: bytes [-> blosc -> crc32c]; an uncompressed chunk's crc32c
+    is in the shard's table instead (crc_table)."""
     from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
 
     chain = [BytesCodec(endian="little")]
@@ -117,7 +130,8 @@ def inner_codecs(codec: str, typesize: int):
         chain.append(BloscCodec(typesize=typesize, **BLOSC[codec]))
     elif codec != "none":
         raise CacheFormatError(f"unknown codec {codec!r} (known: {list(CODECS)})")
-    chain.append(Crc32cCodec())
+    if not crc_table(codec):
+        chain.append(Crc32cCodec())
     return chain
 
 

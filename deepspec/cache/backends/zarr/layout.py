@@ -10,6 +10,7 @@ import numpy as np
 from crc32c import crc32c
 
 from deepspec.cache.backends.base import ArrayLayout
+from deepspec.cache.spec.format import CHUNK_CRC32C
 
 EMPTY = 2**64 - 1  # shard index marker of a chunk that was never written
 
@@ -27,10 +28,11 @@ def parse_layout(path: str, meta: dict) -> ArrayLayout | None:
         return None
     index_names = [c["name"] for c in cfg["index_codecs"]]
     inner = [c["name"] for c in cfg["codecs"]]
-    if index_names != ["bytes", "crc32c"] or inner[0] != "bytes" or inner[-1] != "crc32c":
+    if index_names != ["bytes", "crc32c"] or inner[0] != "bytes":
         return None
-    if inner[1:-1] not in ([], ["blosc"]):
-        return None
+    table = inner == ["bytes"] and (meta.get("attributes") or {}).get(CHUNK_CRC32C) == "table"
+    if not table and (inner[-1] != "crc32c" or inner[1:-1] not in ([], ["blosc"])):
+        return None  # a chunk without a crc32c anywhere is not the writer's: read (unchecked) by the library
     endian = (cfg["codecs"][0].get("configuration") or {}).get("endian", "little")
     dtype = np.dtype(meta["data_type"]).newbyteorder("<" if endian == "little" else ">")
     sep = meta.get("chunk_key_encoding", {}).get("configuration", {}).get("separator", "/")
@@ -38,8 +40,26 @@ def parse_layout(path: str, meta: dict) -> ArrayLayout | None:
         return None
     key = f"{path}/c" + sep + sep.join("0" for _ in meta["shape"])
     return ArrayLayout(key=key, dtype=dtype, shape=tuple(meta["shape"]), chunk_rows=chunk[0],
-                       n_chunks=shard_shape[0] // chunk[0], blosc=len(inner) == 3,
+                       n_chunks=shard_shape[0] // chunk[0], blosc="blosc" in inner, crc_table=table,
                        row_bytes=dtype.itemsize * int(np.prod(meta["shape"][1:], dtype=np.int64)))
+
+
+def split_suffix(layout: ArrayLayout, raw: bytes) -> tuple[np.ndarray, np.ndarray | None]:
+    """A shard's last `layout.suffix_bytes` bytes -> (index [n_chunks, 2] of (offset, nbytes), the
+    chunks' crc32cs [n_chunks] or None before v4); ValueError naming which part is corrupt."""
+    n = layout.n_chunks
+    if len(raw) != layout.suffix_bytes:
+        raise ValueError(f"{len(raw)} bytes cannot hold the index of {n} chunks")
+    idx = raw[-(16 * n + 4):]
+    if crc32c(idx[:-4]) != int.from_bytes(idx[-4:], "little"):
+        raise ValueError("shard index checksum mismatch")
+    crcs = None
+    if layout.crc_table:
+        table = raw[:4 * n + 4]
+        if crc32c(table[:-4]) != int.from_bytes(table[-4:], "little"):
+            raise ValueError("chunk crc32c table checksum mismatch")
+        crcs = np.frombuffer(table[:-4], dtype="<u4")
+    return np.frombuffer(idx[:-4], dtype="<u8").reshape(n, 2), crcs
 
 
 def part_damage(root: str, part: str, arrays: list[str]) -> str | None:
@@ -56,18 +76,19 @@ def part_damage(root: str, part: str, arrays: list[str]) -> str | None:
             return f"{where}/zarr.json unreadable ({e.__class__.__name__})"
         if layout is None:
             return f"{where}: not the single-shard layout the writer produces"
-        index_bytes = 16 * layout.n_chunks + 4
+        suffix = layout.suffix_bytes
         try:
             with open(os.path.join(root, layout.key), "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                tail = os.pread(f.fileno(), index_bytes, size - index_bytes) if size >= index_bytes else b""
+                tail = os.pread(f.fileno(), suffix, size - suffix) if size >= suffix else b""
         except OSError as e:
             return f"{layout.key}: unreadable ({e.__class__.__name__})"
-        if len(tail) != index_bytes or crc32c(tail[:-4]) != int.from_bytes(tail[-4:], "little"):
+        try:
+            index, _ = split_suffix(layout, tail)
+        except ValueError:
             return f"{layout.key}: shard index missing or corrupt ({size} bytes)"
-        index = np.frombuffer(tail[:-4], dtype="<u8").reshape(-1, 2)
         ends = index[:, 0] + index[:, 1]
         if (index[:, 0] == EMPTY).any() or index[0, 0] != 0 or (index[1:, 0] != ends[:-1]).any() \
-                or int(ends[-1]) != size - index_bytes:
+                or int(ends[-1]) != size - suffix:
             return f"{layout.key}: chunks do not fill the shard ({size} bytes)"
     return None

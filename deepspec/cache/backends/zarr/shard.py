@@ -1,6 +1,7 @@
 """One Zarr v3 shard file encoded without zarr-python (docs/cache-format.md §6): inner chunks of rows,
-little-endian and optionally Blosc-compressed, each followed by its crc32c, then the index of
-(offset, nbytes) pairs and the index's crc32c, written front to back as rows arrive
+little-endian and optionally Blosc-compressed, each Blosc chunk followed by its crc32c, the
+uncompressed ones back to back with their crc32cs in a table after them (format v4), then the
+index of (offset, nbytes) pairs and the index's crc32c, written front to back as rows arrive
 (`ShardAppender`) or at once (`encode_shard`). ZarrStoreWriter (write.py) writes every shard of a
 part with it; layout.py is the reading side of the same layout.
 """
@@ -11,14 +12,15 @@ import math
 import numpy as np
 from crc32c import crc32c
 
-from deepspec.cache.spec.format import BLOSC, CacheFormatError
+from deepspec.cache.spec.format import BLOSC, CacheFormatError, crc_table
 
 
 class ShardAppender:
     """A Zarr v3 shard written front to back as rows arrive (docs/cache-format.md §6): every full inner
-    chunk is encoded (little-endian, optionally Blosc-compressed), followed by its crc32c, and
-    written to `sink` at once; `finish()` pads the last chunk with zeros and writes the index of
-    (offset, nbytes) pairs and the index's crc32c. Only a chunk's worth of rows is ever held, so a
+    chunk is encoded (little-endian, optionally Blosc-compressed) and written to `sink` at once,
+    a Blosc chunk followed by its crc32c; `finish()` pads the last chunk with zeros and writes the
+    crc32c table of uncompressed chunks (and the table's crc32c), then the index of (offset,
+    nbytes) pairs and the index's crc32c. Only a chunk's worth of rows is ever held, so a
     part's shard is written without the part in memory. The bytes equal `encode_shard` of all rows."""
 
     def __init__(self, sink, rows: int, row_shape: tuple, dtype, chunk_rows: int, codec: str):
@@ -33,6 +35,8 @@ class ShardAppender:
         self._carry: list[np.ndarray] = []  # rows of the chunk not yet full
         self._carried = 0
         self._blosc = None
+        # uncompressed: chunk crc32cs go to the table, so the chunks' rows lie back to back
+        self._crcs = np.empty(self.n_chunks, dtype="<u4") if crc_table(codec) else None
         if codec in BLOSC:
             import numcodecs
 
@@ -69,8 +73,12 @@ class ShardAppender:
         flat = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
         body = self._blosc.encode(flat) if self._blosc is not None else memoryview(flat)
         self.sink.write(body)
-        self.sink.write(crc32c(body).to_bytes(4, "little"))
-        size = len(body) + 4
+        if self._crcs is not None:
+            self._crcs[self._chunks] = crc32c(body)
+            size = len(body)
+        else:
+            self.sink.write(crc32c(body).to_bytes(4, "little"))
+            size = len(body) + 4
         self.index[self._chunks] = (self._offset, size)
         self._chunks += 1
         self._offset += size
@@ -85,6 +93,10 @@ class ShardAppender:
                 last[:self._carried] = np.concatenate(self._carry)
             self._write_chunk(last)
             self._carry, self._carried = [], 0
+        if self._crcs is not None:
+            table = self._crcs.tobytes()
+            self.sink.write(table)
+            self.sink.write(crc32c(table).to_bytes(4, "little"))
         idx = self.index.tobytes()
         self.sink.write(idx)
         self.sink.write(crc32c(idx).to_bytes(4, "little"))

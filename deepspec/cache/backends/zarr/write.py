@@ -12,7 +12,8 @@ import zarr
 from crc32c import crc32c
 
 from deepspec.cache.backends.base import ArraySpec, WritableStore
-from deepspec.cache.spec.format import FORMAT, INDEX_COLUMNS, CacheFormatError, index_name, inner_codecs
+from deepspec.cache.spec.format import (CHUNK_CRC32C, FORMAT, INDEX_COLUMNS, CacheFormatError, crc_table, index_name,
+                                       inner_codecs)
 from deepspec.cache.spec.manifest import Manifest, PartEntry
 from deepspec.cache.storage.urls import local_path, storage_options_for
 from deepspec.cache.storage.durable import fsync_tree
@@ -136,8 +137,9 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
     def _create(self, group: zarr.Group, spec: ArraySpec) -> tuple[str, int]:
         """zarr-python writes the array's metadata; returns the key of its one shard and the rows of
         an inner chunk. The shard itself is encoded here (ShardAppender): zarr-python's own shard
-        writer pays Python overhead per inner chunk (~6x slower than a raw write for narrow rows);
-        the bytes are identical (tests/cache/test_writer.py compares them)."""
+        writer pays Python overhead per inner chunk (~6x slower than a raw write for narrow rows)
+        and cannot write v4's crc32c table; without the table the bytes are identical
+        (tests/cache/test_writer.py compares them)."""
         shape, dtype = tuple(spec.shape), np.dtype(spec.dtype)
         rows = shape[0]
         chunks = (min(spec.chunk_rows, max(rows, 1)),) + shape[1:]
@@ -146,7 +148,8 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
         # never overwrite=True: that deletes what is there, which may be another writer's committed part
         group.create_array(spec.name, shape=shape, dtype=dtype, chunks=chunks, shards=shards,
                            serializer=codecs[0], compressors=codecs[1:], fill_value=0,
-                           config={"write_empty_chunks": True})
+                           config={"write_empty_chunks": True},
+                           attributes={CHUNK_CRC32C: "table"} if crc_table(spec.codec) else None)
         return f"{group.path}/{spec.name}/c/".lstrip("/") + "/".join("0" for _ in shape), chunks[0]
 
     def _put(self, key: str, blob: bytes) -> None:
