@@ -1,25 +1,48 @@
 """Reading cache samples: `CacheReader`, random access to the samples of every committed part of a
 store, whichever backend holds it. Arrays whose layout the fast path recognises are read by
-shard_reader.ShardReader (one pread or range request per sample's chunk run, every chunk's checksum
-checked, on helper threads with `check_threads`); the others are read through zarr-python or h5py.
-Nothing unchecked leaves a `CacheReader.read` or a dataset item.
+shards.ShardReader (one copy, preadv or range request per sample's chunk run, every chunk's
+checksum checked, on helper threads with `check_threads`); the others are read through zarr-python
+or h5py. A remote Zarr store with a `cache_dir` is read through a part mirror (mirror.py): whole
+arrays downloaded once, samples read from local disk. Nothing unchecked leaves a
+`CacheReader.read` or a dataset item.
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+from typing import NamedTuple
 
 import numpy as np
 
 from deepspec.cache.backends.base import ArrayLayout, CacheStore, split_index
 from deepspec.cache.storage.bounded import BoundedCache
+from deepspec.cache.storage.naming import store_key
+from deepspec.cache.storage.urls import is_remote
 from deepspec.cache.spec.format import CacheFormatError, array_shape, hidden_name, sample_keys, scale_name
 from deepspec.cache.spec.manifest import Manifest, PartEntry, manifest_mismatch
 from deepspec.cache.read.ranges import ByteRanges
+from deepspec.cache.read.mirror import PartMirror
 from deepspec.cache.read.shards import ShardReader
 from deepspec.cache.backends.readers import open_cache
+from deepspec.cache.backends.zarr.layout import parse_layout
 
 
 _UNKNOWN = object()  # a layout not looked up yet (None is a known one: read through the library)
+# a process's first read of a mirrored store goes to the store: one range per array (not cut at
+# range_bytes), since the arrays download whole right after and every request counts
+MIRROR_RANGE_BYTES = 64 << 20
+
+
+class _ProcessState(NamedTuple):
+    """What one process opens to read (CacheReader._process_state)."""
+    pid: int
+    store: CacheStore
+    files: ByteRanges
+    shards: ShardReader
+    layouts: BoundedCache            # the layouts of the arrays this process touched (an HDF5 one holds its chunk table)
+    mirror: PartMirror | None        # cache_dir of a remote Zarr store
+    mirrored: ShardReader | None     # reads the mirror's local files
 
 
 class CacheReader:
@@ -38,6 +61,8 @@ class CacheReader:
     # samples), and the most bytes one request asks for (a large array is cut into several)
     read_ahead: int = 16
     range_bytes: int = 4 << 20
+    # `cache_dir` of a remote Zarr store: the most bytes of mirrored arrays a process keeps (mirror.py)
+    mirror_bytes: int = 100 << 30
 
     def __init__(self, url: str, storage_options: dict | None = None, expect: dict | None = None,
                  verify: bool = True, fast: bool = True, cache_dir: str | None = None,
@@ -45,13 +70,15 @@ class CacheReader:
         """`manifest`: read the parts and index this manifest lists (the one the cache stage recorded,
         data/cache/manifest.json) instead of the ones the store's root lists now: in a lake another
         experiment may have switched the root to its own samples since. Its content fields must be
-        the store's."""
+        the store's. `cache_dir`: where a remote store's arrays are mirrored whole (Zarr: mirror.py;
+        HDF5: fsspec's block cache keeps the byte ranges read)."""
         self.url = url
         self.storage_options = storage_options
         self.cache_dir = cache_dir
         self.verify = verify
         self.fast = fast
         self.store: CacheStore = open_cache(url, storage_options)
+        self._opened_in = os.getpid()
         self.manifest = self.store.read_manifest()
         if manifest is not None:
             pinned = Manifest.from_dict({k: v for k, v in manifest.items() if k != "url"}, url)
@@ -72,7 +99,7 @@ class CacheReader:
         self.layers = list(self.manifest.layers)
         self.dtype = self.manifest.dtype
         self.storage = self.manifest.storage
-        self._state = None  # (pid, store, files, shard reader, layouts) per process
+        self._state: _ProcessState | None = None  # opened lazily in the process that reads
         # v2: one read of the consolidated per-sample index (or the rows listed from an unconsolidated
         # store's commit records); v1: every part's offsets and sample ids, part by part
         if manifest is not None and self.manifest.format_version >= 3 and self.manifest.index is not None:
@@ -99,13 +126,23 @@ class CacheReader:
     def __len__(self) -> int:
         return int(self.part_start[-1])
 
-    def _process_state(self):
+    def _process_state(self) -> _ProcessState:
         pid = os.getpid()
         if self._state is None or self._state[0] != pid:
-            files = ByteRanges(self.url, self.storage_options, self.cache_dir, connections=self.read_ahead)
-            # the layouts of the arrays this process touched (an HDF5 layout holds its chunk table): bounded
-            self._state = (pid, self.store, files, ShardReader(files, self.verify, check_threads=self.check_threads),
-                           BoundedCache(self.LAYOUT_BYTES))
+            mirrored = bool(self.cache_dir) and self.store.kind == "zarr" and self.fast and is_remote(self.url)
+            files = ByteRanges(self.url, self.storage_options, None if mirrored else self.cache_dir,
+                               connections=self.read_ahead)
+            # one mirror directory per content (naming.store_key): part names come from the samples'
+            # tokens alone, so stores of other targets, layers or dtypes reuse them
+            mirror = (PartMirror(files, os.path.join(self.cache_dir, store_key(self.manifest.to_dict())), self.mirror_bytes,
+                                 self.read_ahead) if mirrored else None)
+            # a forked process (a DataLoader worker) opens the store again: zarr-python's and s3fs's
+            # clients belong to the event loop of the process that made them
+            store = self.store if pid == self._opened_in else open_cache(self.url, self.storage_options)
+            self._state = _ProcessState(pid, store, files,
+                                        ShardReader(files, self.verify, check_threads=self.check_threads),
+                                        BoundedCache(self.LAYOUT_BYTES), mirror,
+                                        mirror and ShardReader(mirror.local, self.verify, check_threads=self.check_threads))
         return self._state
 
     def lengths(self) -> np.ndarray:
@@ -140,7 +177,7 @@ class CacheReader:
 
     def shard_reader(self) -> "ShardReader":
         """This process's shard reader (verify turns on its strict checks)."""
-        return self._process_state()[3]
+        return self._process_state().shards
 
     def array_layout(self, part: int, name: str) -> ArrayLayout | None:
         """The fast path's layout of one array of one part (None: read through the library)."""
@@ -165,7 +202,8 @@ class CacheReader:
     LAYOUT_BYTES = 16 << 20
 
     def _layout(self, part: int, name: str) -> ArrayLayout | None:
-        _, store, _, _, layouts = self._process_state()
+        state = self._process_state()
+        store, layouts = state.store, state.layouts
         path = f"parts/{self.parts[part]}/{name}"
         layout = layouts.get(path, _UNKNOWN)
         if layout is not _UNKNOWN:
@@ -174,14 +212,36 @@ class CacheReader:
         if layout is None:  # read through the library: what the array declares is checked all the same
             self._check_declared(part, name, *store.declared(self.entries[part], name))
         else:
-            self._check_declared(part, name, layout.dtype, tuple(layout.shape))
-            c = layout.chunk_rows
-            if not (isinstance(c, int) and c >= 1 and (layout.n_chunks - 1) * c < max(layout.shape[0], 1)
-                    <= layout.n_chunks * c) or (layout.table is not None and layout.table.shape != (layout.n_chunks, 2)):
-                raise CacheFormatError(f"{self.url}: {path}: chunking ({layout.n_chunks} chunks of {c} rows) "
-                                       f"does not cover its {layout.shape[0]} rows")
+            self._check_layout(part, name, layout)
         layouts[path] = layout
         return layout
+
+    def _mirrored_layout(self, part: int, name: str) -> ArrayLayout | None:
+        """The layout of an array from the zarr.json the mirror holds or fetched (checked as the
+        store's would be)."""
+        state = self._process_state()
+        layouts, mirror = state.layouts, state.mirror
+        path = f"parts/{self.parts[part]}/{name}"
+        layout = layouts.get(("mirror", path), _UNKNOWN)
+        if layout is not _UNKNOWN:
+            return layout
+        try:
+            layout = parse_layout(path, json.loads(mirror.meta(self.parts[part], name)))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CacheFormatError(f"{self.url}: {path}/zarr.json: unreadable ({e.__class__.__name__}: {e})") from None
+        if layout is not None:
+            self._check_layout(part, name, layout)
+        layouts[("mirror", path)] = layout
+        return layout
+
+    def _check_layout(self, part: int, name: str, layout: ArrayLayout) -> None:
+        """What a fast-path layout declares, checked against the manifest before anything is sized by it."""
+        self._check_declared(part, name, layout.dtype, tuple(layout.shape))
+        c = layout.chunk_rows
+        if not (isinstance(c, int) and c >= 1 and (layout.n_chunks - 1) * c < max(layout.shape[0], 1)
+                <= layout.n_chunks * c) or (layout.table is not None and layout.table.shape != (layout.n_chunks, 2)):
+            raise CacheFormatError(f"{self.url}: parts/{self.parts[part]}/{name}: chunking ({layout.n_chunks} chunks "
+                                   f"of {c} rows) does not cover its {layout.shape[0]} rows")
 
     def _check_declared(self, part: int, name: str, dtype, shape: tuple) -> None:
         """A part's arrays are sized by what the manifest says, never by what they declare themselves."""
@@ -192,7 +252,8 @@ class CacheReader:
 
     def read_array(self, part: int, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows [start, stop) of one array of one part (into `out` when given)."""
-        _, store, _, shards, _ = self._process_state()
+        state = self._process_state()
+        store, shards = state.store, state.shards
         layout = self._layout(part, name)
         if layout is not None:
             if stop > layout.shape[0]:
@@ -232,8 +293,11 @@ class CacheReader:
     def memory(self) -> dict:
         """What this process keeps of the parts it has touched (cache/bounded.py), per cache: bytes,
         entries, evictions and the bound."""
-        _, store, _, shards, layouts = self._process_state()
-        caches = {"layouts": layouts, "shard_indexes": shards.tables}
+        state = self._process_state()
+        store = state.store
+        caches = {"layouts": state.layouts, "shard_indexes": state.shards.tables}
+        if state.mirrored is not None:
+            caches["mirrored_shard_indexes"] = state.mirrored.tables
         if isinstance(getattr(store, "tables", None), BoundedCache):
             caches["hdf5_chunk_tables"] = store.tables
         return {name: {"bytes": c.bytes, "entries": len(c), "evictions": c.evictions, "max_bytes": c.max_bytes}
@@ -243,7 +307,9 @@ class CacheReader:
         """Threads checking crc32c of local reads from now on (0: in the reading thread)."""
         self.check_threads = n
         if self._state is not None:  # the open-time reads already made this process's shard reader
-            self._state[3].set_check_threads(n)
+            for shards in (self._state.shards, self._state.mirrored):
+                if shards is not None:
+                    shards.set_check_threads(n)
 
     def set_read_ahead(self, requests: int, range_bytes: int | None = None) -> None:
         """Requests in flight (and the bytes of each) for remote reads from now on."""
@@ -258,25 +324,64 @@ class CacheReader:
     def read_arrays(self, requests: list[tuple]) -> list[np.ndarray]:
         """read_array for each (part, name, start, stop, out) of `requests`. On a remote store the
         byte ranges of all of them are fetched with up to `read_ahead` requests in flight."""
-        _, store, files, shards, _ = self._process_state()
+        state = self._process_state()
+        files, shards, mirror = state.files, state.shards, state.mirror
+        direct = False
+        if mirror is not None:
+            wanted = list(dict.fromkeys((self.parts[r[0]], r[1]) for r in requests))
+            if mirror.begun or all(mirror.ready(*w) for w in wanted):
+                return self._read_mirrored(requests, wanted)
+            # this process's first read: from the store, while its arrays download; the layouts come
+            # from the zarr.json the mirror fetches for itself, each array's rows in one range
+            mirror.start(wanted)
+            direct = True
         if not files.remote or self.read_ahead <= 1:
             return [self.read_array(*r) for r in requests]
         results: list = [None] * len(requests)
         fast = []
         for i, (part, name, start, stop, out) in enumerate(requests):
-            layout = self._layout(part, name)
+            layout = self._mirrored_layout(part, name) if direct else self._layout(part, name)
             if layout is None:
                 results[i] = self.read_array(part, name, start, stop, out)
                 continue
             if stop > layout.shape[0]:
                 raise CacheFormatError(f"{layout.name or layout.key}: rows {start}..{stop} past its {layout.shape[0]} rows")
             fast.append((i, (layout, start, stop, out)))
-        got = shards.read_rows_many([r for _, r in fast], self.read_ahead, self.range_bytes)
+        got = shards.read_rows_many([r for _, r in fast], self.read_ahead,
+                                    max(self.range_bytes, MIRROR_RANGE_BYTES) if direct else self.range_bytes)
         for (i, _), values in zip(fast, got):
             results[i] = values
+        return results
+
+    def _read_mirrored(self, requests: list[tuple], wanted: list[tuple[str, str]]) -> list[np.ndarray]:
+        """read_arrays through the part mirror: the arrays downloaded where they are not yet, then
+        read from local disk (an array whose layout the fast path does not know: from the store)."""
+        state = self._process_state()
+        mirror, local = state.mirror, state.mirrored
+        mirror.ensure(wanted)
+        results = []
+        for part, name, start, stop, out in requests:
+            layout = self._mirrored_layout(part, name)
+            if layout is None:
+                results.append(self.read_array(part, name, start, stop, out))
+                continue
+            if stop > layout.shape[0]:
+                raise CacheFormatError(f"{self.url}: parts/{self.parts[part]}/{name}: rows {start}..{stop} past "
+                                       f"its {layout.shape[0]} rows")
+            try:
+                results.append(local.read_rows(layout, start, stop, out))
+            except FileNotFoundError:  # dropped by another process's bound since: download it again
+                mirror.ensure([(self.parts[part], name)])
+                results.append(local.read_rows(layout, start, stop, out))
         return results
 
     def checked(self):
         """A block of reads whose checksums run alongside the next reads and are all settled (a
         ChecksumError raised) when the block exits; arrays read inside are not to be used before."""
-        return self._process_state()[3].deferred()
+        state = self._process_state()
+        if state.mirrored is None:
+            return state.shards.deferred()
+        stack = contextlib.ExitStack()
+        stack.enter_context(state.shards.deferred())
+        stack.enter_context(state.mirrored.deferred())
+        return stack
