@@ -187,6 +187,14 @@ class TrainConfig:
     # cache on S3: byte-range requests the loader keeps in flight (a batch's arrays, cut to 4 MB);
     # one stream gives ~50-100 MB/s, a GPU training a Qwen3-4B draft reads ~1 GB/s
     read_ahead: Annotated[Int, Field(ge=1)] = 16
+    # cache on S3: a local directory the parts' arrays are downloaded into whole, each once, and read
+    # from (deepspec/cache/read/mirror.py); "" reads byte ranges of the store. Bounded by mirror_gb
+    # per loading process, least recently used arrays out
+    mirror: Str = ""
+    mirror_gb: Annotated[Float, Field(gt=0.0)] = 100.0
+    # 0: each epoch a random order of all samples; W: the cache's parts in a random order, W at a time,
+    # the samples of each W parts in a random order (what a mirror of a store too large for local disk needs)
+    window_parts: Annotated[Int, Field(ge=0)] = 0
     seed: Annotated[Int, Field(ge=0)] = 0
     threads: Annotated[Int, Field(ge=0)] = 0
     # multi-rank: how long a collective waits for the slowest rank (rank 0 alone reads the corpus for

@@ -55,6 +55,10 @@ class TargetCacheDataset(Dataset):
     def lengths(self) -> np.ndarray:
         return self.reader.lengths()
 
+    def sample_parts(self) -> np.ndarray:
+        """int64 [samples]: the part each sample is stored in (a sampler's window_parts)."""
+        return np.repeat(np.arange(len(self.reader.parts)), np.diff(self.reader.part_start))
+
     @property
     def manifest(self) -> dict:
         return self.reader.manifest

@@ -1,6 +1,9 @@
 """A deterministic, distributed, resumable batch sampler.
 
-Order is a pure function of (seed, epoch): a permutation of all samples. Batches are either a
+Order is a pure function of (seed, epoch): a permutation of all samples or, with `window_parts` W
+and each sample's part, the parts in a random order taken W at a time, the samples of each window in
+a random order (a loader then reads W parts at a time: what a part mirror of a remote store needs,
+deepspec/cache/read/mirror.py). Batches are either a
 fixed number of samples or, with `token_budget`, as many samples as fit in (batch size x longest
 length) <= budget; `group_by_length` sorts each window of 64 batches by length first so batches
 waste less padding. Every rank gets every `world_size`-th batch of the same global sequence:
@@ -20,10 +23,14 @@ from deepspec.cache.spec.plan import pack_ranges
 class ResumableBatchSampler(Sampler[list[int]]):
     def __init__(self, lengths, batch_size: int = 1, token_budget: int | None = None, seed: int = 0,
                  rank: int = 0, world_size: int = 1, shuffle: bool = True, group_by_length: bool = False,
-                 drop_last: bool = False):
+                 drop_last: bool = False, parts=None, window_parts: int = 0):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, {world_size})")
+        if window_parts < 0 or (window_parts and (parts is None or len(parts) != len(lengths))):
+            raise ValueError(f"window_parts={window_parts} needs the part of each of the {len(lengths)} samples")
         self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.parts = None if parts is None else np.asarray(parts, dtype=np.int64)
+        self.window_parts = window_parts
         self.batch_size = batch_size
         self.token_budget = token_budget
         self.seed = seed
@@ -41,7 +48,19 @@ class ResumableBatchSampler(Sampler[list[int]]):
         if not self.shuffle:
             return np.arange(n)
         g = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + epoch)  # a host-side plan
-        return torch.randperm(n, generator=g, device="cpu").numpy()
+        if not self.window_parts:
+            return torch.randperm(n, generator=g, device="cpu").numpy()
+        ids = np.unique(self.parts)
+        ids = ids[torch.randperm(len(ids), generator=g, device="cpu").numpy()]
+        by_part = np.argsort(self.parts, kind="stable")  # sample indices grouped by part, in part order
+        starts = np.searchsorted(self.parts[by_part], ids)
+        ends = np.searchsorted(self.parts[by_part], ids, side="right")
+        order = []
+        for w in range(0, len(ids), self.window_parts):
+            window = np.concatenate([by_part[a:b] for a, b in zip(starts[w:w + self.window_parts],
+                                                                    ends[w:w + self.window_parts])])
+            order.append(window[torch.randperm(len(window), generator=g, device="cpu").numpy()])
+        return np.concatenate(order) if order else np.zeros(0, np.int64)
 
     def global_batches(self, epoch: int) -> list[list[int]]:
         order = self._order(epoch)
@@ -90,7 +109,7 @@ class ResumableBatchSampler(Sampler[list[int]]):
         return {"epoch": self.epoch if epoch is None else epoch,
                 "position": self.position if position is None else position, "seed": self.seed,
                 "world_size": self.world_size, "num_samples": int(len(self.lengths)),
-                "batch_size": self.batch_size, "token_budget": self.token_budget}
+                "batch_size": self.batch_size, "token_budget": self.token_budget, "window_parts": self.window_parts}
 
     def load_state_dict(self, state: dict) -> None:
         if state["world_size"] != self.world_size:
@@ -98,7 +117,7 @@ class ResumableBatchSampler(Sampler[list[int]]):
                 f"sampler state was saved with world_size {state['world_size']}, this run has "
                 f"{self.world_size}: rank slices would differ, so the position cannot be mapped exactly "
                 "(restart the epoch with `position=0`, or resume with the original world size)")
-        for key in ("seed", "num_samples", "batch_size", "token_budget"):
+        for key in ("seed", "num_samples", "batch_size", "token_budget", "window_parts"):
             mine = self.state_dict()[key]
             if state.get(key, mine) != mine:
                 raise ValueError(f"sampler state has {key}={state[key]!r}, this run has {mine!r}")

@@ -129,8 +129,8 @@ def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path, vocab_count
 # trainer logs the LR jump), `layers` counts through the resolved layer list. Every other field, present
 # or added later, is in the fingerprint. The world size is checked on its own (a resume under another
 # one is refused, see Trainer.restore).
-RESUME_NEUTRAL = ("steps", "checkpoint_every", "keep_checkpoints", "num_workers", "read_ahead", "threads", "launcher",
-                  "layers", "collective_timeout_s")
+RESUME_NEUTRAL = ("steps", "checkpoint_every", "keep_checkpoints", "num_workers", "read_ahead", "mirror", "mirror_gb",
+                  "threads", "launcher", "layers", "collective_timeout_s")
 
 
 def distinct_token_ids(dataset) -> np.ndarray:
@@ -158,8 +158,9 @@ def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_di
     """`manifest`: the cache stage's recorded manifest; the trainer reads exactly the parts it lists."""
     device = device or torch.device("cpu")
     identity = load_identity(target_dir)
-    dataset = TargetCacheDataset(cache_url, layers=layers, storage_options=storage_options,
+    dataset = TargetCacheDataset(cache_url, layers=layers, storage_options=storage_options, cache_dir=cfg.mirror or None,
                                  expect={"target": identity}, read_ahead=cfg.read_ahead, manifest=manifest)
+    dataset.reader.mirror_bytes = int(cfg.mirror_gb * 2**30)
     counts = None
     if cfg.algorithm == "eagle3":
         from deepspec.models.eagle3 import loss_token_counts

@@ -70,7 +70,8 @@ class Trainer:
         self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.sampler = ResumableBatchSampler(dataset.lengths(), batch_size=cfg.batch_size, seed=cfg.seed,
-                                             rank=rank, world_size=world_size)
+                                             rank=rank, world_size=world_size, window_parts=cfg.window_parts,
+                                             parts=dataset.sample_parts() if cfg.window_parts else None)
         self._check_batches()
         try:
             anchor_key(cfg.seed, cfg.steps - 1, cfg.grad_accum - 1, world_size - 1)

@@ -26,7 +26,8 @@ from tests.train.test_train import FAST, _stage_dir, losses, train
 
 # settings that change how a run is executed or how far it goes, not the trajectory it follows
 # (`layers` counts through the resolved layer list, passed on its own)
-RESUME_NEUTRAL = {"steps", "checkpoint_every", "keep_checkpoints", "num_workers", "read_ahead", "threads", "launcher",
+RESUME_NEUTRAL = {"steps", "checkpoint_every", "keep_checkpoints", "num_workers", "read_ahead", "mirror", "mirror_gb",
+                  "threads", "launcher",
                   "layers", "collective_timeout_s"}
 
 

@@ -509,3 +509,18 @@ def test_with_a_loading_worker_the_next_batch_loads_while_the_step_runs(tmp_path
     loads = [float(t) for t in log.read_text().split()]
     during = [s for s in loads if any(a < s < b for a, b in steps)]
     assert (len(during) >= cfg.batch_size) if workers else not during
+
+
+def test_window_parts_reads_the_cache_a_few_parts_at_a_time(tmp_path, small_cache, trained_target):
+    """train.window_parts: the trainer's sampler visits the cache's parts `window_parts` at a time
+    (what a part mirror of a remote store needs), every sample once an epoch."""
+    from deepspec.train.run import build_trainer
+
+    cfg = TrainConfig(**dict(FAST, batch_size=2, window_parts=1))
+    trainer = build_trainer(cfg, [-1, 0, 2], str(small_cache), trained_target, tmp_path / "out", tmp_path / "state")
+    parts = trainer.dataset.sample_parts()
+    assert len(set(parts.tolist())) > 1  # the small cache has several parts
+    order = [i for b in trainer.sampler.global_batches(0) for i in b]
+    runs = [int(parts[i]) for k, i in enumerate(order) if k == 0 or parts[i] != parts[order[k - 1]]]
+    assert len(runs) == len(set(runs))  # one part after another, each read whole
+    assert len(order) >= len(parts) - cfg.batch_size and len(set(order)) == len(order)
