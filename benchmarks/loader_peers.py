@@ -19,8 +19,9 @@ The contenders alternate, `--repeats` times; the table holds the median GB/s of 
 
 With `--s3` the same stores go to moto_server behind benchmarks/scale_s3.py's throttling proxy (a
 delay per request and a paced rate per response stream, like one S3 stream): each contender opens
-a fresh dataset (the peers a fresh local cache: they download whole chunks or shards) and reads
-every sample in a random order; printed are the time to the first sample, the GB/s of the rest,
+a fresh dataset (the peers a fresh local cache: they download whole chunks or shards; deepspec
+reads byte ranges of the store, or mirrors whole arrays of its parts into a fresh `cache_dir`) and
+reads every sample in a random order; printed are the time to the first sample, the GB/s of the rest,
 and the GETs and bytes per sample that passed the proxy (it counts them).
 
 mosaicml-streaming's package imports its vision datasets, which import torchvision; the CPU
@@ -213,7 +214,9 @@ def s3_rows(args, stores: dict[str, str], tmp: Path) -> list[dict]:
         os.environ["S3_ENDPOINT_URL"] = proxy  # mosaicml-streaming's endpoint setting
         through = {"endpoint_url": proxy, "key": "bench", "secret": "bench"}
         opened = {
-            "deepspec, checks on": lambda cache: TargetCacheDataset("s3://peers/deepspec.zarr", storage_options=through),
+            "deepspec, range reads": lambda cache: TargetCacheDataset("s3://peers/deepspec.zarr", storage_options=through),
+            "deepspec, part mirror": lambda cache: TargetCacheDataset("s3://peers/deepspec.zarr", storage_options=through,
+                                                                      cache_dir=str(cache)),
             "mosaicml-streaming": lambda cache: streaming.StreamingDataset(remote="s3://peers/mds", local=str(cache),
                                                                            batch_size=1, shuffle=False),
             "litdata": lambda cache: litdata.StreamingDataset(

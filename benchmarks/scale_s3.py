@@ -38,20 +38,22 @@ HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrad
 
 def serve_proxy(port: int, upstream: str) -> None:
     """The throttle: every request waits LATENCY_S, then its response body streams at STREAM_BYTES_S.
-    `GET /__counts` answers the requests (by method) and response bytes passed so far, and with
-    `?reset=1` starts the counts again."""
+    `GET /__counts` answers the requests (by method) and response bytes passed so far, with
+    `?paths=1` the requests by method and path instead, and with `?reset=1` starts the counts again."""
     import aiohttp
     from aiohttp import web
 
-    counts = collections.Counter()
+    counts, paths = collections.Counter(), collections.Counter()
 
     async def handle(request: web.Request) -> web.StreamResponse:
         if request.path == "/__counts":
-            answer = web.json_response(dict(counts))
+            answer = web.json_response(dict(paths if request.query.get("paths") else counts))
             if request.query.get("reset"):
                 counts.clear()
+                paths.clear()
             return answer
         counts[request.method] += 1
+        paths[f"{request.method} {request.path}"] += 1
         body = await request.read()
         await asyncio.sleep(LATENCY_S)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
