@@ -50,15 +50,14 @@ class ResumableBatchSampler(Sampler[list[int]]):
         g = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + epoch)  # a host-side plan
         if not self.window_parts:
             return torch.randperm(n, generator=g, device="cpu").numpy()
-        ids = np.unique(self.parts)
-        ids = ids[torch.randperm(len(ids), generator=g, device="cpu").numpy()]
         by_part = np.argsort(self.parts, kind="stable")  # sample indices grouped by part, in part order
-        starts = np.searchsorted(self.parts[by_part], ids)
-        ends = np.searchsorted(self.parts[by_part], ids, side="right")
+        _, starts, counts = np.unique(self.parts[by_part], return_index=True, return_counts=True)
+        picked = torch.randperm(len(starts), generator=g, device="cpu").numpy()
+        starts, counts = starts[picked], counts[picked]
         order = []
-        for w in range(0, len(ids), self.window_parts):
-            window = np.concatenate([by_part[a:b] for a, b in zip(starts[w:w + self.window_parts],
-                                                                    ends[w:w + self.window_parts])])
+        for w in range(0, len(starts), self.window_parts):
+            window = np.concatenate([by_part[a:a + n] for a, n in zip(starts[w:w + self.window_parts],
+                                                                        counts[w:w + self.window_parts])])
             order.append(window[torch.randperm(len(window), generator=g, device="cpu").numpy()])
         return np.concatenate(order) if order else np.zeros(0, np.int64)
 

@@ -35,6 +35,7 @@ class ArrayLayout:
     table: np.ndarray | None = None      # [n_chunks, 2] (offset, nbytes), trailer included
     crcs: np.ndarray | None = None       # HDF5: crc32c of each chunk's bytes before its trailer
     crc_table: bool = False              # Zarr v4: no trailers; the crc32cs are in a table before the index
+    name: str = ""                       # "parts/<part>: <array>", for error messages
 
     @property
     def trailer(self) -> int:
@@ -46,7 +47,6 @@ class ArrayLayout:
         """Bytes at the end of a Zarr shard that locate and check its chunks: the index (16 bytes a
         chunk) and its crc32c, after the crc32c table (4 bytes a chunk) and its crc32c in v4."""
         return 16 * self.n_chunks + 4 + (4 * self.n_chunks + 4 if self.crc_table else 0)
-    name: str = ""                       # "parts/<part>: <array>", for error messages
 
 
 @dataclass

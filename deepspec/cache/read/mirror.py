@@ -54,7 +54,7 @@ class PartMirror:
         # instead, downloads of other arrays running alongside (`in_flight`)
         self._one_get = {"max_concurrency": 1} if store.url.startswith("s3://") else {}
         self.downloaded = 0  # arrays this process downloaded (the rest it found mirrored)
-        self._begun = False
+        self.begun = False  # whether this process has asked for any array yet (its first read goes to the store)
         self._meta: dict[tuple[str, str], bytes | threading.Lock] = {}  # zarr.json per array (small)
 
     def path(self, part: str, array: str) -> Path:
@@ -85,15 +85,10 @@ class PartMirror:
                 self._meta[key] = meta
             return meta
 
-    @property
-    def begun(self) -> bool:
-        """Whether this process has asked for any array yet (its first read goes to the store)."""
-        return self._begun
-
     def start(self, arrays: list[tuple[str, str]]) -> list[Future]:
         """Download the arrays not mirrored yet, in the background; one future per array."""
         with self._lock:
-            self._begun = True
+            self.begun = True
             futures = []
             for key in arrays:
                 f = self._pending.get(key)

@@ -128,7 +128,7 @@ class CacheReader:
 
     def _process_state(self) -> _ProcessState:
         pid = os.getpid()
-        if self._state is None or self._state[0] != pid:
+        if self._state is None or self._state.pid != pid:
             mirrored = bool(self.cache_dir) and self.store.kind == "zarr" and self.fast and is_remote(self.url)
             files = ByteRanges(self.url, self.storage_options, None if mirrored else self.cache_dir,
                                connections=self.read_ahead)

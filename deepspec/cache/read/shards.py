@@ -90,7 +90,7 @@ class ShardReader:
         except ValueError as e:
             raise ChecksumError(f"{layout.key}: {e}") from None
         dense = bool((idx[:, 0] != EMPTY).all() and idx[0, 0] == 0 and (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all())
-        if layout.crc_table and not layout.blosc:  # v4 rows back to back: every chunk full size
+        if layout.crc_table:  # v4, uncompressed: rows back to back, every chunk full size
             dense = dense and bool((idx[:, 1] == layout.chunk_rows * layout.row_bytes).all())
         got = (idx, dense, crcs)
         self.tables[layout.key] = got
@@ -142,12 +142,11 @@ class ShardReader:
         c0, c1 = start // layout.chunk_rows, (stop - 1) // layout.chunk_rows
         idx, dense, crcs = self._table(layout)
         offs, sizes = idx[c0:c1 + 1, 0], idx[c0:c1 + 1, 1]
-        if (not layout.blosc and not self.files.remote and out.flags.c_contiguous and layout.dtype.isnative
-                and layout.crc_table and dense):
+        local = not layout.blosc and not self.files.remote and out.flags.c_contiguous and layout.dtype.isnative
+        if local and layout.crc_table and dense:
             return self._copy(layout, start, stop, c0, c1, crcs, out)
-        if (not layout.blosc and not self.files.remote and out.flags.c_contiguous and layout.dtype.isnative
-                and not layout.crc_table and not (self.verify and layout.checksum == "fletcher32"
-                                                  and (self.strict or layout.crcs is None))):
+        if local and not layout.crc_table and not (self.verify and layout.checksum == "fletcher32"
+                                                   and (self.strict or layout.crcs is None)):
             gaps = None
             if not dense and layout.table is not None:  # HDF5 puts a few KB of metadata after a chunk or two
                 gaps = offs[1:].astype(np.int64) - (offs[:-1] + sizes[:-1]).astype(np.int64)

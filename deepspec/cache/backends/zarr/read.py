@@ -15,7 +15,7 @@ from deepspec.cache.spec.format import PART_NAME, CacheFormatError
 from deepspec.cache.spec.manifest import PartEntry
 from deepspec.cache.storage.urls import inside_store, local_path
 from deepspec.cache.storage.fenced import open_root
-from deepspec.cache.backends.zarr.layout import parse_layout, split_suffix
+from deepspec.cache.backends.zarr.layout import EMPTY, parse_layout, split_suffix
 
 # the consolidated per-sample index (§3.1): v3, arrays `index/<name>` (uint64 [samples, 6], one chunk,
 # named by their content, never overwritten); v2, the one array `index` (uint64 [samples, 4])
@@ -168,7 +168,7 @@ class ZarrStore(CacheStore):
         except ValueError as e:
             raise CacheFormatError(f"{name}: {e}") from None
         c0, c1 = start // layout.chunk_rows, (stop - 1) // layout.chunk_rows
-        if c1 >= layout.n_chunks or (index[c0:c1 + 1, 0] == 2**64 - 1).any():
+        if c1 >= layout.n_chunks or (index[c0:c1 + 1, 0] == EMPTY).any():
             raise CacheFormatError(f"{name}: rows {start}..{stop} are not all in written chunks")
         for c in range(c0, c1 + 1):
             off, n = int(index[c, 0]), int(index[c, 1])
