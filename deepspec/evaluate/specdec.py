@@ -32,6 +32,7 @@ from transformers import DynamicCache
 from deepspec.config import SamplingConfig
 from deepspec.devices import draw, generator
 from deepspec.models.capture import capture_layers
+from deepspec.models.target import cache_keyword
 
 
 FILTER_ORDER = ("temperature", "top_k", "top_p", "min_p")
@@ -220,6 +221,7 @@ class SpecDecoder:
             raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
         self.confidence_threshold = confidence_threshold
         self.target = target.eval()
+        self.cache_kw = cache_keyword(target)
         self.device = torch.device(device)
         self.drafter = drafter_for(draft, self.device)
         self.stop_ids = set(stop_ids)
@@ -229,11 +231,18 @@ class SpecDecoder:
     @torch.no_grad()
     def _target(self, ids: list[int], cache: DynamicCache, capture: bool):
         x = torch.tensor([ids], device=self.device)
+        held = cache.get_seq_length()
+        kw = {self.cache_kw: cache, "use_cache": True}
         if not capture:
-            return self.target(input_ids=x, cache=cache, use_cache=True).logits[0], None
-        with capture_layers(self.target, self.layers) as store:
-            logits = self.target(input_ids=x, cache=cache, use_cache=True).logits[0]
-        feats = torch.cat([store[i][0] for i in self.layers], dim=-1)
+            logits, feats = self.target(input_ids=x, **kw).logits[0], None
+        else:
+            with capture_layers(self.target, self.layers) as store:
+                logits = self.target(input_ids=x, **kw).logits[0]
+            feats = torch.cat([store[i][0] for i in self.layers], dim=-1)
+        if cache.get_seq_length() != held + len(ids):  # a forward that kept its own cache saw no context
+            raise RuntimeError(f"the target's forward did not extend the KV cache passed as `{self.cache_kw}` "
+                               f"({held} + {len(ids)} tokens, holds {cache.get_seq_length()}): this transformers "
+                               f"version takes it under another name")
         return logits, feats
 
     # ---- plain decoding ------------------------------------------------------------------------

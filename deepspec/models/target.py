@@ -146,6 +146,15 @@ def load_causal_lm(model_dir: str | Path, device, compute: dict | None = None):
     return model.to(device).eval()
 
 
+def cache_keyword(model) -> str:
+    """The keyword `model`'s forward takes a KV cache under: transformers renamed `past_key_values` to
+    `cache` within the 5.x versions deepspec supports, and an older forward files an unknown `cache=`
+    among its ignored keyword arguments (every call would then run with no context)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @dataclass
 class TargetEmbeddings:
     """Where a target's input embedding and lm_head live in its safetensors (a tied head is the

@@ -51,6 +51,45 @@ def test_greedy_speculative_equals_plain_greedy(trained_target):
             assert sum(r.acceptance_length for r in spec.rounds) + 1 == len(spec.tokens)
 
 
+class OlderForward(torch.nn.Module):
+    """A causal LM whose forward takes its KV cache as `past_key_values`, as transformers 5.20 to 5.2x
+    spell it; like those forwards it files keywords it does not know among unused **kwargs."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm, self.model = lm, lm.model
+
+    def get_decoder(self):
+        return self.lm.get_decoder()
+
+    def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
+        return self.lm(input_ids=input_ids, cache=past_key_values, use_cache=use_cache)
+
+
+class OwnCacheForward(OlderForward):
+    """A forward that keeps a cache of its own whatever it is passed."""
+
+    def forward(self, input_ids=None, use_cache=None, **kwargs):
+        return self.lm(input_ids=input_ids, use_cache=use_cache)
+
+
+def test_decoding_passes_the_cache_under_the_name_the_targets_forward_takes(trained_target):
+    tok = AutoTokenizer.from_pretrained(trained_target)
+    target = AutoModelForCausalLM.from_pretrained(trained_target)
+    draft = random_draft(target, [0, 2], 3)
+    want = [SpecDecoder(target, draft, {tok.eos_token_id}).plain(ids, 16, Warp()).tokens for ids in prompts_of(tok, 3)]
+    dec = SpecDecoder(OlderForward(target), draft, {tok.eos_token_id})
+    assert dec.cache_kw == "past_key_values"
+    for ids, tokens in zip(prompts_of(tok, 3), want):
+        assert dec.plain(ids, 16, Warp()).tokens == tokens
+        assert dec.speculative(ids, 16, Warp()).tokens == tokens
+    # a forward that never fills the cache it is given fails at the prompt, naming the keyword
+    lost = SpecDecoder(OwnCacheForward(target), draft, {tok.eos_token_id})
+    for decode in (lost.plain, lost.speculative):
+        with pytest.raises(RuntimeError, match="did not extend the KV cache passed as `past_key_values`"):
+            decode(prompts_of(tok, 1)[0], 16, Warp())
+
+
 def test_a_dflash_layout_draft_proposes_block_minus_one_and_stays_lossless(trained_target):
     """sample_from_anchor false: slot 0's output is unused, so a block of 4 proposes 3 drafts."""
     tok = AutoTokenizer.from_pretrained(trained_target)
