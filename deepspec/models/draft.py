@@ -27,12 +27,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3Attention, Qwen3MLP, Qwen3RMSNorm,
                                                       Qwen3RotaryEmbedding, apply_rotary_pos_emb, rotate_half)
 
+from deepspec.models.attention import attend
 from deepspec.models.objectives import draft_loss
 
 DRAFT_FORMAT_VERSION = 1
@@ -162,8 +162,7 @@ class DraftLayer(nn.Module):
             k_ctx, v_ctx = cache.update(k_ctx, v_ctx, self.index)
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scaling,
-                                             enable_gqa=a.num_key_value_groups > 1)
+        out = attend(q, k, v, mask, a.scaling, a.num_key_value_groups > 1)
         h = h + a.o_proj(out.transpose(1, 2).reshape(*h.shape[:-1], -1))
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -30,6 +30,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
                                                       apply_rotary_pos_emb)
 
+from deepspec.models.attention import attend
 from deepspec.models.draft import save_draft, target_embed
 from deepspec.models.objectives import LossOutput, masked_mean
 
@@ -103,8 +104,7 @@ class Eagle3Layer(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, *rope)
         keys = torch.cat([*(p[0] for p in past), k], dim=2)
         values = torch.cat([*(p[1] for p in past), v], dim=2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim ** -0.5,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        out = attend(q, keys, values, mask, self.head_dim ** -0.5, self.num_heads != self.num_kv_heads)
         h = hidden + a.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:-1], -1))
         return h + self.mlp(self.post_attention_layernorm(h)), (k, v)
 
