@@ -82,7 +82,8 @@ clean-venv:
 # The prepared GPU check (benchmarks/gpu_check.py): cache, train and eval on CUDA in one command. A lent
 # GPU machine has Python 3.12 with torch, transformers, safetensors, numpy, h5py and fsspec, but no
 # network: `make gpu-wheels` downloads here, into the git-ignored .gpu-wheels/, the wheels of what else
-# the check imports (versions as in requirements.lock), and `make gpu-check` installs them there with
+# the check imports and of transformers (its image's 5.17 is older than deepspec supports; versions as
+# in requirements.lock), and `make gpu-check` installs them there with
 # --no-index before it runs. `make gpu-check CPU=1` runs the same script on the CPU in .venv (make test
 # runs it). OUT=DIR writes gpu_check.json there. To try the install step on a machine without a GPU:
 # `make gpu-wheels GPU_PY=3.11 && make gpu-check PYTHON=<a python with only the GPU machine's packages>
@@ -90,7 +91,7 @@ clean-venv:
 GPU_WHEELS := .gpu-wheels
 GPU_SITE := .gpu-site
 GPU_PY ?= 3.12
-GPU_PACKAGES := $(shell grep -iE '^(accelerate|psutil|zarr|numcodecs|crc32c|google-crc32c|donfig|pydantic|pydantic_core|annotated-types|typing-inspection)==' requirements.lock)
+GPU_PACKAGES := $(shell grep -iE '^(transformers|regex|accelerate|psutil|zarr|numcodecs|crc32c|google-crc32c|donfig|pydantic|pydantic_core|annotated-types|typing-inspection)==' requirements.lock)
 GPU_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64,--platform $(p))
 
 gpu-wheels:
