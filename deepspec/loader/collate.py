@@ -1,7 +1,35 @@
-"""Right-padding collator: a list of samples -> one batch of padded tensors."""
+"""Right-padding collator: a list of samples -> one batch of padded tensors.
+
+Each output is written once: samples are copied into place and only the padding after each one is
+zeroed. In a DataLoader worker the outputs are allocated in shared memory, as torch's default collate
+does, because a worker sends its batch through shared memory and torch would copy a batch made
+anywhere else into it (`benchmarks/collate.py` measures both against the zero-then-copy collator).
+"""
 from __future__ import annotations
 
+import math
+
 import torch
+from torch.utils.data import get_worker_info
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor, in shared memory inside a DataLoader worker."""
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype, device="cpu")
+    # torch's default_collate makes its worker outputs the same way
+    storage = torch.empty(0, dtype=dtype, device="cpu")._typed_storage()._new_shared(math.prod(shape), device="cpu")
+    return torch.empty(0, dtype=dtype, device="cpu").new(storage).view(shape)
+
+
+def _padded(rows: list[torch.Tensor], T: int, dtype: torch.dtype, width: tuple[int, ...] = ()) -> torch.Tensor:
+    """[B, T, *width]: row i holds rows[i] (its first dimension, viewed as `width`) then zeros."""
+    out = _empty((len(rows), T, *width), dtype)
+    for i, r in enumerate(rows):
+        n = r.shape[0]
+        out[i, :n].view(r.shape).copy_(r)
+        out[i, n:].zero_()
+    return out
 
 
 def collate(samples: list[dict]) -> dict:
@@ -9,7 +37,7 @@ def collate(samples: list[dict]) -> dict:
     token count) is a host int, so that counting tokens never reads `lengths` back from the device. No
     attention mask: it is `arange(T) < lengths`, derived on the device where a model needs it."""
     sizes = [len(s["input_ids"]) for s in samples]
-    B, T = len(samples), max(sizes)
+    T = max(sizes)
     batch: dict = {
         "lengths": torch.tensor(sizes, dtype=torch.int64, device="cpu"),
         "tokens": sum(sizes),
@@ -18,21 +46,12 @@ def collate(samples: list[dict]) -> dict:
     }
     for key, dtype in (("input_ids", torch.int32), ("loss_mask", torch.uint8)):
         if key in samples[0]:
-            out = torch.zeros((B, T), dtype=dtype, device="cpu")
-            for i, s in enumerate(samples):
-                out[i, :len(s[key])] = s[key]
-            batch[key] = out
-    if "hidden" in samples[0]:  # [L, T, H] per sample -> [B, T, L*H]: the interleave rides on the pad copy
+            batch[key] = _padded([torch.as_tensor(s[key], device="cpu") for s in samples], T, dtype)
+    if "hidden" in samples[0]:  # [L, T, H] per sample -> [B, T, L*H]: the interleave rides on the copy
         L, _, H = samples[0]["hidden"].shape
-        out = torch.zeros((B, T, L * H), dtype=samples[0]["hidden"].dtype, device="cpu")
-        for i, s in enumerate(samples):
-            n = s["hidden"].shape[1]
-            out[i, :n].view(n, L, H).copy_(s["hidden"].transpose(0, 1))
-        batch["hidden"] = out
+        batch["hidden"] = _padded([s["hidden"].transpose(0, 1) for s in samples], T, samples[0]["hidden"].dtype,
+                                  (L * H,))
     if "last_hidden" in samples[0]:
-        out = torch.zeros((B, T, samples[0]["last_hidden"].shape[-1]), dtype=samples[0]["last_hidden"].dtype,
-                          device="cpu")
-        for i, s in enumerate(samples):
-            out[i, :len(s["last_hidden"])] = s["last_hidden"]
-        batch["last_hidden"] = out
+        batch["last_hidden"] = _padded([s["last_hidden"] for s in samples], T, samples[0]["last_hidden"].dtype,
+                                       (samples[0]["last_hidden"].shape[-1],))
     return {k: v for k, v in batch.items() if v is not None}

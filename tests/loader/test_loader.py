@@ -304,7 +304,11 @@ def test_dataloader_with_two_workers_finishes(tmp_path, method):
     assert sorted(seen) == sorted(int(i) for p in parts for i in p.sample_ids)
 
 
-def test_collate_pads_right_and_counts_tokens_on_the_host():
+def test_collate_pads_right_and_counts_tokens_on_the_host(monkeypatch):
+    from deepspec.loader import collate as module
+
+    real = module._empty  # memory a batch is carved from may hold anything: the padding must be written
+    monkeypatch.setattr(module, "_empty", lambda shape, dtype: real(shape, dtype).fill_(7))
     hid = torch.arange(2 * 3 * 4, dtype=torch.bfloat16).view(2, 3, 4)  # [L=2, T=3, H=4]
     a = {"input_ids": torch.tensor([1, 2, 3], dtype=torch.int32), "loss_mask": torch.tensor([0, 1, 1], dtype=torch.uint8),
          "hidden": hid, "sample_id": 5}
@@ -317,6 +321,31 @@ def test_collate_pads_right_and_counts_tokens_on_the_host():
     assert batch["hidden"].shape == (2, 3, 8)
     assert torch.equal(batch["hidden"][0, 1], torch.cat([hid[0, 1], hid[1, 1]]))  # token-major, layers side by side
     assert batch["hidden"][1, 1:].abs().sum() == 0 and batch["lengths"].tolist() == [3, 1]
+
+
+def _collate_in_worker(samples):
+    batch = collate(samples)
+    batch["shared"] = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.is_shared()]
+    return batch
+
+
+def test_collate_writes_each_output_once_and_in_shared_memory_inside_a_worker(tmp_path):
+    parts = synthetic_parts(parts=2)
+    ds = TargetCacheDataset(write_store(str(tmp_path / "c.zarr"), parts))
+    sampler = ResumableBatchSampler(ds.lengths(), batch_size=3, seed=0)
+    want = [collate([ds[i] for i in b]) for b in sampler.batches(0)]
+    for batch in want:
+        for row, n in enumerate(batch["lengths"].tolist()):
+            for key in ("input_ids", "loss_mask", "hidden", "last_hidden"):
+                assert not batch[key][row, n:].any(), key
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, num_workers=1, collate_fn=_collate_in_worker)
+    got = list(loader)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        # made in shared memory by the worker: torch sends such a tensor as is instead of copying it there
+        assert set(g.pop("shared")) >= {"input_ids", "loss_mask", "hidden", "last_hidden"}
+        for k, v in w.items():
+            assert torch.equal(g[k], v) if isinstance(v, torch.Tensor) else g[k] == v
 
 
 @pytest.mark.gpu
