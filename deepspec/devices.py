@@ -8,9 +8,12 @@
 - `HostCopies`: device-to-host copies of a batch's tensors into pinned buffers, issued on a copy
   stream so that the compute stream starts the next forward meanwhile; the consumer waits for them
   (`HostBatch.result()`), usually on another thread. On the CPU a batch is already on the host.
+- `decoding(device)`: the attention kernels token-by-token decoding runs with (on CUDA, cuDNN after
+  the kernels that need no set-up per shape).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import torch
 
@@ -20,6 +23,22 @@ def local_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
+
+
+def decoding(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """A context for decoding on `device`: on CUDA, SDPA tries flash, then memory-efficient, then cuDNN
+    attention, then the math kernel. Each decoding step meets a key length it has not met before, and
+    PyTorch builds a cuDNN graph for every new shape (tens of milliseconds of host time on an H200,
+    benchmarks/train_overlap.py), while it puts cuDNN first on Hopper and Blackwell once its cuDNN is
+    recent; flash and memory-efficient attention have no such set-up. cuDNN stays ahead of the math
+    kernel for the calls only it fuses (a mask with grouped-query heads; the drafts pad those to few
+    shapes, models/attention.py). Elsewhere: no change."""
+    if torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                        SDPBackend.MATH], set_priority=True)
 
 
 def generator(device: torch.device | str, seed: int) -> torch.Generator:

@@ -126,6 +126,52 @@ def test_speculative_and_plain_decoding_draw_with_generators_on_the_decoders_dev
     assert made == [dec.device, dec.device]
 
 
+def test_decoding_on_cuda_tries_cudnn_attention_after_the_kernels_with_no_per_shape_set_up():
+    from torch.nn.attention import SDPBackend
+
+    from deepspec.devices import decoding
+
+    order = lambda: [SDPBackend(i) for i in torch._C._get_sdp_priority_order()]  # noqa: E731
+    before = order()
+    with decoding(torch.device("cpu")):
+        assert order() == before
+    with decoding(torch.device("cuda", 0)):
+        inside = order()
+    assert inside[:4] == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                          SDPBackend.MATH]
+    assert order() == before
+
+
+def test_every_decoder_decodes_inside_decoding_on_its_device(monkeypatch, trained_target):
+    import contextlib
+
+    from transformers import AutoModelForCausalLM
+
+    import deepspec.data.generate as generate
+    import deepspec.evaluate.specdec as specdec
+    from deepspec.config import RegenConfig, SamplingConfig
+    from deepspec.models.target import load_causal_lm
+    from tests.evaluate.test_specdec import random_draft
+
+    entered = []
+
+    @contextlib.contextmanager
+    def recording(device):
+        entered.append(torch.device(device))
+        yield
+
+    monkeypatch.setattr(specdec, "decoding", recording)
+    monkeypatch.setattr(generate, "decoding", recording)
+    target = AutoModelForCausalLM.from_pretrained(trained_target)
+    dec = specdec.SpecDecoder(target, random_draft(target, [0, 2]), set(), device="cpu")
+    dec.plain([1, 2, 3], 4, specdec.Warp())
+    dec.speculative([1, 2, 3], 4, specdec.Warp())
+    local = generate.LocalGenerator(trained_target, RegenConfig(), SamplingConfig(max_tokens=4),
+                                    lambda d: load_causal_lm(trained_target, d), device=torch.device("cpu"))
+    local.answer([[1, 2, 3]], [0])
+    assert entered == [torch.device("cpu")] * 3
+
+
 def test_regen_row_sampler_makes_its_generators_on_the_scores_device(monkeypatch):
     import deepspec.data.generate as generate
     from deepspec.config import SamplingConfig

@@ -24,7 +24,7 @@ import torch
 
 from deepspec.config import RegenConfig, SamplingConfig
 from deepspec.data.chat_client import request_seed
-from deepspec.devices import draw, generator, local_device
+from deepspec.devices import decoding, draw, generator, local_device
 from deepspec.io import hash_unit
 from deepspec.progress import progress
 
@@ -114,8 +114,9 @@ class LocalGenerator:
         ids = torch.tensor([[self.pad] * (longest - len(p)) + p for p in prompts], dtype=torch.long, device=self.device)
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long,
                             device=self.device)
-        out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=self.gen,
-                                  logits_processor=[RowSampler(self.sampling, seeds)])
+        with decoding(self.device):
+            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=self.gen,
+                                      logits_processor=[RowSampler(self.sampling, seeds)])
         answers = []
         for row in out[:, longest:].tolist():
             stop = next((k for k, t in enumerate(row) if t in self.eos), None)

@@ -30,7 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from deepspec.config import SamplingConfig
-from deepspec.devices import draw, generator
+from deepspec.devices import decoding, draw, generator
 from deepspec.models.capture import capture_layers
 from deepspec.models.target import cache_keyword
 
@@ -246,8 +246,15 @@ class SpecDecoder:
         return logits, feats
 
     # ---- plain decoding ------------------------------------------------------------------------
-    @torch.no_grad()
     def plain(self, prompt: list[int], max_new: int, warp: Warp, seed: int = 0) -> Result:
+        with torch.no_grad(), decoding(self.device):
+            return self._plain(prompt, max_new, warp, seed)
+
+    def speculative(self, prompt: list[int], max_new: int, warp: Warp, seed: int = 0) -> Result:
+        with torch.no_grad(), decoding(self.device):
+            return self._speculative(prompt, max_new, warp, seed)
+
+    def _plain(self, prompt: list[int], max_new: int, warp: Warp, seed: int) -> Result:
         gen = generator(self.device, seed)  # draws for the target's probabilities, on their device
         t0 = time.perf_counter()
         cache = DynamicCache()
@@ -261,8 +268,7 @@ class SpecDecoder:
             logits, _ = self._target([tok], cache, capture=False)
         return Result(out, time.perf_counter() - t0)
 
-    @torch.no_grad()
-    def speculative(self, prompt: list[int], max_new: int, warp: Warp, seed: int = 0) -> Result:
+    def _speculative(self, prompt: list[int], max_new: int, warp: Warp, seed: int) -> Result:
         gen = generator(self.device, seed)  # draws for target and draft probabilities, on their device
         t0 = time.perf_counter()
         tcache = DynamicCache()
