@@ -192,6 +192,11 @@ class TrainConfig:
     # per loading process, least recently used arrays out
     mirror: Str = ""
     mirror_gb: Annotated[Float, Field(gt=0.0)] = 100.0
+    # where resume state lives: "" = data/train_state; an fsspec URL (s3://bucket/prefix) lets ranks on
+    # several nodes resume with nothing shared but the bucket; its fsspec options (endpoint, region;
+    # credentials come from the environment, as for the cache)
+    state_url: Str = ""
+    state_storage_options: dict[Str, Any] = field(default_factory=dict)
     # 0: each epoch a random order of all samples; W: the cache's parts in a random order, W at a time,
     # the samples of each W parts in a random order (what a mirror of a store too large for local disk needs)
     window_parts: Annotated[Int, Field(ge=0)] = 0
@@ -374,7 +379,8 @@ def _credentials(value: Any, path: str) -> list[str]:
 def refuse_secrets(params: Params) -> None:
     """params.yaml is committed and every stage's params are copied into dvc.lock: a credential there
     ends up in git. Refused, with where it belongs instead."""
-    found = _credentials(params.cache.storage_options, "cache.storage_options")
+    found = _credentials(params.cache.storage_options, "cache.storage_options") + \
+        _credentials(params.train.state_storage_options, "train.state_storage_options")
     if found:
         raise ConfigError(f"{', '.join(found)}: a credential in params.yaml would be committed (and copied into "
                           "dvc.lock); set it in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "

@@ -1,7 +1,8 @@
 """DVC stage `train`: the cache + the target's embeddings/lm_head -> data/draft (see deepspec.train).
 
 Runs as one process, or under `torchrun --nproc-per-node N stages/train.py` (DDP; gloo on CPU,
-nccl on GPU). Resume state lives in data/train_state/ (not a DVC output, so DVC never deletes it);
+nccl on GPU). Resume state lives in data/train_state/ (not a DVC output, so DVC never deletes it), or
+at `train.state_url` (s3://…: ranks on several nodes share nothing but the bucket);
 checkpoints made under other params are set aside, then deleted once this run has saved one
 (README: "Training longer, and what a resume keeps").
 """
@@ -13,6 +14,7 @@ from deepspec.cache.storage.naming import built_manifest, built_store_url
 from deepspec.distributed import launch
 from deepspec.stage import StageError, configure_threads, run_stage
 from deepspec.train.checkpoint import CheckpointError
+from deepspec.train.state_dir import StateDir
 from deepspec.train.run import run_training
 from deepspec.train.trainer import TrainError
 
@@ -27,8 +29,9 @@ def main(params):
         final, error = None, None
         try:
             store = built_store_url(params.cache.url)  # cache.url itself, or the stage's store in an S3 lake
+            state = StateDir(cfg.state_url or "data/train_state", cfg.state_storage_options)
             final = run_training(cfg, params.train_layers, store, Path("data/target"), Path("data/draft"),
-                                 Path("data/train"), Path("data/train_state"), params.cache.storage_options,
+                                 Path("data/train"), state, params.cache.storage_options,
                                  d.rank, d.world, d.device, manifest=built_manifest())
         except (CacheFormatError, CheckpointError, TrainError) as e:
             error = str(e)  # only the message: the exception's frames hold the trainer and its DDP module

@@ -14,6 +14,12 @@ Trainer.restore). A well-formed checkpoint whose tensors do not match the draft 
 Checkpoints made under other params (another fingerprint) are moved to <dir>/stale-<fingerprint>/,
 not deleted: switching the params back brings them back. They are deleted once a run under the new
 params has saved a checkpoint of its own.
+
+<dir> is a local directory or an fsspec URL (`s3://bucket/prefix`: `StateDir`), so that ranks on
+several nodes share nothing but the bucket. Locally a checkpoint is written in a temporary directory
+and renamed into place; remotely its files are uploaded one by one from a local staging copy, meta.json
+last, and read back through a local copy (a remote rename would be a copy, and the commit mark is
+what makes a checkpoint whole in both cases).
 """
 from __future__ import annotations
 
@@ -21,7 +27,6 @@ import base64
 import json
 import logging
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deepspec.io import sha256_file, write_json
+from deepspec.train.state_dir import FILES, StateDir, as_state
 
 log = logging.getLogger(__name__)
 
@@ -108,49 +114,49 @@ def check_model_state(model: torch.nn.Module, state: dict) -> None:
                               f"{unexpected[:5]}, other shapes {shapes[:5]}")
 
 
-def save_checkpoint(root: Path, step: int, model_state: dict, opt_tensors: dict, meta: dict, keep: int) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"ckpt-{step:08d}"
-    tmp = root / f".tmp-ckpt-{step:08d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(model_state, str(tmp / "model.safetensors"))
-    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-    meta = dict(meta, step=step, files={f: sha256_file(tmp / f) for f in ("model.safetensors", "optimizer.safetensors")})
-    write_json(tmp / "meta.json", meta)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    prune(root, step, keep)
-    return final
+def save_checkpoint(root: StateDir | Path, step: int, model_state: dict, opt_tensors: dict, meta: dict,
+                    keep: int) -> str:
+    """Returns where the checkpoint is (its path or URL)."""
+    state = as_state(root)
+    name = f"ckpt-{step:08d}"
+    with state.staging(name) as tmp:
+        save_file(model_state, str(tmp / "model.safetensors"))
+        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        meta = dict(meta, step=step, files={f: sha256_file(tmp / f) for f in FILES[:2]})
+        write_json(tmp / "meta.json", meta)
+        state.commit_from(tmp, name)
+    prune(state, step, keep)
+    return state.where(name)
 
 
-def prune(root: Path, step: int, keep: int) -> None:
+def prune(root: StateDir | Path, step: int, keep: int) -> None:
     """After saving `step`: keep the newest `keep` checkpoints up to it. Newer ones belong to a run this
     one has replaced (train.steps lowered below them; corrupt ones it could not resume from), and the
     ones set aside under other params are no longer needed."""
-    for old in list_checkpoints(root):
+    state = as_state(root)
+    for old in state.entries("ckpt-"):
         if checkpoint_step(old) > step:
-            log.warning("removing %s: beyond step %d, from which this run has saved", old, step)
-            shutil.rmtree(old, ignore_errors=True)
-    for old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob("stale-*"):
-        log.info("removing %s: checkpoints of other params, superseded by this run's", stale)
-        shutil.rmtree(stale, ignore_errors=True)
+            log.warning("removing %s: beyond step %d, from which this run has saved", state.where(old), step)
+            state.remove(old)
+    for old in state.entries("ckpt-")[:-keep]:
+        state.remove(old)
+    for stale in state.entries("stale-"):
+        log.info("removing %s: checkpoints of other params, superseded by this run's", state.where(stale))
+        state.remove(stale)
 
 
-def checkpoint_step(path: Path) -> int:
-    return int(path.name.removeprefix("ckpt-"))
+def checkpoint_step(name: str | Path) -> int:
+    return int(str(name).rstrip("/").rsplit("/", 1)[-1].removeprefix("ckpt-"))
 
 
 def list_checkpoints(root: Path) -> list[Path]:
-    if not root.exists():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("ckpt-"))
+    """The checkpoints of a local state directory, oldest first."""
+    return [root / n for n in StateDir(root).entries("ckpt-")]
 
 
 def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
-    """(model tensors, optimizer tensors, meta) or CheckpointError saying what is wrong."""
+    """(model tensors, optimizer tensors, meta) of a local checkpoint directory, or CheckpointError
+    saying what is wrong."""
     if not path.is_dir():
         raise CheckpointError(f"{path}: not found")
     meta_path = path / "meta.json"
@@ -172,55 +178,70 @@ def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
         raise CheckpointError(f"{path}: cannot read tensors: {e}") from None
 
 
-def read_meta(path: Path) -> dict | None:
+def read_stored(state: StateDir, name: str) -> tuple[dict, dict, dict]:
+    """`read_checkpoint` of checkpoint `name` of `state`, its errors naming where it is."""
+    if not state.exists(name):
+        raise CheckpointError(f"{state.where(name)}: not found")
+    with state.local_copy(name) as path:
+        try:
+            return read_checkpoint(path)
+        except CheckpointError as e:
+            if state.local:
+                raise
+            raise CheckpointError(str(e).replace(str(path), state.where(name))) from None
+
+
+def read_meta(state: StateDir, name: str) -> dict | None:
     try:
-        return json.loads((path / "meta.json").read_text())
+        return json.loads(state.read_text(name, "meta.json"))
     except (OSError, json.JSONDecodeError):
         return None  # unreadable ones are reported when a resume tries them
 
 
-def valid_checkpoints(root: Path, fingerprint: str, max_step: int):
+def valid_checkpoints(root: StateDir | Path, fingerprint: str, max_step: int):
     """This run's checkpoints at or below `max_step` that read back intact, newest first, as
-    (path, model tensors, optimizer tensors, meta); bad ones are reported and skipped."""
-    for path in reversed(list_checkpoints(root)):
-        if checkpoint_step(path) > max_step:
+    (name, model tensors, optimizer tensors, meta); bad ones are reported and skipped."""
+    state = as_state(root)
+    for name in reversed(state.entries("ckpt-")):
+        if checkpoint_step(name) > max_step:
             continue
         try:
-            model, opt, meta = read_checkpoint(path)
+            model, opt, meta = read_stored(state, name)
         except CheckpointError as e:
             log.warning("refusing checkpoint: %s; trying an older one", e)
             continue
         if meta.get("fingerprint") == fingerprint:
-            yield path, model, opt, meta
+            yield name, model, opt, meta
 
 
-def steps_beyond(root: Path, fingerprint: str, max_step: int) -> list[int]:
+def steps_beyond(root: StateDir | Path, fingerprint: str, max_step: int) -> list[int]:
     """Steps of this run's checkpoints past `max_step` (train.steps was lowered below them)."""
-    return [checkpoint_step(p) for p in list_checkpoints(root)
-            if checkpoint_step(p) > max_step and (read_meta(p) or {}).get("fingerprint") == fingerprint]
+    state = as_state(root)
+    return [checkpoint_step(n) for n in state.entries("ckpt-")
+            if checkpoint_step(n) > max_step and (read_meta(state, n) or {}).get("fingerprint") == fingerprint]
 
 
-def set_aside_stale(root: Path, fingerprint: str) -> None:
+def set_aside_stale(root: StateDir | Path, fingerprint: str) -> None:
     """DVC does not clean resume state. Checkpoints made under other params move to
     stale-<their fingerprint>/ (deleted by `prune` once this run has saved one); this run's own, set
     aside by a run under other params that saved nothing, come back."""
-    for path in list_checkpoints(root):
-        meta = read_meta(path)
+    state = as_state(root)
+    for name in state.entries("ckpt-"):
+        meta = read_meta(state, name)
         if meta is None or meta.get("fingerprint") == fingerprint:
             continue
-        aside = root / f"stale-{meta.get('fingerprint')}"
-        aside.mkdir(exist_ok=True)
-        shutil.rmtree(aside / path.name, ignore_errors=True)
-        path.rename(aside / path.name)
+        aside = f"stale-{meta.get('fingerprint')}"
+        state.remove(f"{aside}/{name}")
+        state.move(name, f"{aside}/{name}")
         log.warning("checkpoint %s was made under other params: moved to %s (deleted once this run saves "
-                    "a checkpoint; switch the params back before that to resume it)", path.name, aside)
-    mine = root / f"stale-{fingerprint}"
-    if mine.is_dir():
-        for path in list_checkpoints(mine):
-            if not (root / path.name).exists():
-                path.rename(root / path.name)
-                log.info("checkpoint %s of these params is back from %s", path.name, mine)
-        shutil.rmtree(mine, ignore_errors=True)
+                    "a checkpoint; switch the params back before that to resume it)", name, state.where(aside))
+    mine = f"stale-{fingerprint}"
+    for name in state.entries("ckpt-", under=mine):
+        own = name.rsplit("/", 1)[-1]
+        if not state.exists(own):
+            state.move(name, own)
+            log.info("checkpoint %s of these params is back from %s", own, state.where(mine))
+    state.remove(mine)
 
 
 # ---- RNG states (meta.json holds each rank's) ------------------------------------------------------

@@ -18,6 +18,7 @@ from deepspec.models.draft import DraftConfig, DraftModel
 from deepspec.models.registry import ALGORITHMS
 from deepspec.models.target import embedding_weights, load_identity, target_embeddings
 from deepspec.train.callbacks import DvcLiveMetrics, JsonMetrics, ProgressBar
+from deepspec.train.state_dir import StateDir
 from deepspec.train.trainer import Trainer
 
 
@@ -130,7 +131,7 @@ def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path, vocab_count
 # or added later, is in the fingerprint. The world size is checked on its own (a resume under another
 # one is refused, see Trainer.restore).
 RESUME_NEUTRAL = ("steps", "checkpoint_every", "keep_checkpoints", "num_workers", "read_ahead", "mirror", "mirror_gb",
-                  "threads", "launcher", "layers", "collective_timeout_s")
+                  "state_url", "state_storage_options", "threads", "launcher", "layers", "collective_timeout_s")
 
 
 def distinct_token_ids(dataset) -> np.ndarray:
@@ -153,9 +154,10 @@ def resume_fingerprint(cfg: TrainConfig, layers: list[int], target_id: str, mani
 
 
 def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_dir: Path, out_dir: Path,
-                  state_dir: Path, storage_options: dict | None = None, rank: int = 0, world: int = 1,
+                  state_dir: StateDir | Path, storage_options: dict | None = None, rank: int = 0, world: int = 1,
                   device: torch.device | None = None, manifest: dict | None = None) -> Trainer:
-    """`manifest`: the cache stage's recorded manifest; the trainer reads exactly the parts it lists."""
+    """`manifest`: the cache stage's recorded manifest; the trainer reads exactly the parts it lists.
+    `state_dir`: where resume state lives (a local path, or a StateDir of any fsspec URL)."""
     device = device or torch.device("cpu")
     identity = load_identity(target_dir)
     dataset = TargetCacheDataset(cache_url, layers=layers, storage_options=storage_options, cache_dir=cfg.mirror or None,
@@ -196,7 +198,7 @@ def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_di
 
 
 def run_training(cfg: TrainConfig, layers: list[int], cache_url: str, target_dir: Path, draft_dir: Path,
-                 out_dir: Path, state_dir: Path, storage_options: dict | None = None, rank: int = 0,
+                 out_dir: Path, state_dir: StateDir | Path, storage_options: dict | None = None, rank: int = 0,
                  world: int = 1, device: torch.device | None = None, manifest: dict | None = None) -> dict:
     trainer = build_trainer(cfg, layers, cache_url, target_dir, out_dir, state_dir, storage_options, rank, world,
                             device, manifest)

@@ -27,10 +27,11 @@ from deepspec.loader.collate import collate
 from deepspec.loader.prefetch import Prefetcher
 from deepspec.loader.sampler import ResumableBatchSampler
 from deepspec.train.checkpoint import (CheckpointError, check_model_state, check_optimizer_state, checkpoint_step,
-                                       load_optimizer_tensors, optimizer_tensors, read_checkpoint, rng_state,
+                                       load_optimizer_tensors, optimizer_tensors, read_stored, rng_state,
                                        save_checkpoint, set_aside_stale, set_rng_state, steps_beyond,
                                        valid_checkpoints)
 from deepspec.models.objectives import anchor_generator, anchor_key, sample_anchors
+from deepspec.train.state_dir import StateDir, as_state
 from deepspec.train.schedule import lr_factor
 
 log = logging.getLogger(__name__)
@@ -50,14 +51,14 @@ class TrainState:
 
 
 class Trainer:
-    def __init__(self, model, dataset, cfg: TrainConfig, state_dir: Path, fingerprint: str,
+    def __init__(self, model, dataset, cfg: TrainConfig, state_dir: StateDir | Path, fingerprint: str,
                  callbacks=(), rank: int = 0, world_size: int = 1, device: torch.device | None = None,
                  ddp_model=None):
         self.model = model                      # the DraftModel (saved, checkpointed)
         self.module = ddp_model or model        # what forward/backward run through (DDP wrapper or model)
         self.dataset = dataset
         self.cfg = cfg
-        self.state_dir = Path(state_dir)
+        self.state_dir = as_state(state_dir)  # a local directory or an fsspec URL
         self.fingerprint = fingerprint
         self.callbacks = list(callbacks)
         self.rank, self.world_size = rank, world_size
@@ -104,7 +105,7 @@ class Trainer:
         chosen = self._agree_on_checkpoint()
         if chosen is None:
             return False
-        path, model_state, opt_state, meta = chosen
+        name, model_state, opt_state, meta = chosen
         self.model.load_state_dict(model_state, strict=True)
         load_optimizer_tensors(self.optimizer, self.param_names, opt_state, meta["optimizer"])
         self.sampler.load_state_dict(meta["sampler"][str(self.rank)])
@@ -114,8 +115,8 @@ class Trainer:
         set_rng_state(rank_state["rng"], self.device)
         self.last_metrics = meta.get("metrics", {})
         self._log_horizon_change(meta["scheduler"]["steps"])
-        log.info("resumed from %s (step %d, epoch %d, batch %d)", path, self.state.step, self.state.epoch,
-                 self.state.position)
+        log.info("resumed from %s (step %d, epoch %d, batch %d)", self.state_dir.where(name), self.state.step,
+                 self.state.epoch, self.state.position)
         return True
 
     def _agree_on_checkpoint(self):
@@ -133,12 +134,12 @@ class Trainer:
                 raise CheckpointError(error)
             if offer is None:
                 return None
-            path = self.state_dir / f"ckpt-{offer['step']:08d}"
-            mine, problem = self._take_offer(path, offer, mine)
+            name = f"ckpt-{offer['step']:08d}"
+            mine, problem = self._take_offer(name, offer, mine)
             problems = [p for p in self._gather(problem) if p]
             if not problems:
                 if self.rank == 0:
-                    self._warn_beyond(path)
+                    self._warn_beyond(name)
                 return mine
             if self.rank == 0:
                 refused.append(f"step {offer['step']}: {', '.join(problems)}")
@@ -155,18 +156,20 @@ class Trainer:
         if refused and self.world_size > 1:
             return None, None, (f"no checkpoint in {self.state_dir} can be resumed by every rank: "
                                 f"{'; '.join(refused)}. Every rank must see the same {self.state_dir} (on several "
-                                "nodes: a shared filesystem), or move it aside to train from scratch")
+                                "nodes: a shared filesystem, or an s3:// train.state_url), or move it aside to train "
+                                "from scratch")
         if refused:
             return None, None, (f"no checkpoint in {self.state_dir} can be resumed: {'; '.join(refused)}. Move "
                                 f"{self.state_dir} aside to train from scratch")
         return None, None, self._refuse_beyond()
 
-    def _take_offer(self, path: Path, offer: dict, mine):
+    def _take_offer(self, name: str, offer: dict, mine):
         """(this rank's copy of the offered checkpoint, None) once it reads back with rank 0's file
         hashes and strictly matches the draft and optimizer; else (None, the reason)."""
+        path = self.state_dir.where(name)
         try:
             if mine is None:  # rank 0 has read it already
-                mine = (path, *read_checkpoint(path))
+                mine = (name, *read_stored(self.state_dir, name))
                 if mine[3].get("files") != offer["files"]:
                     raise CheckpointError(f"{path}: differs from rank 0's copy")
             try:
@@ -178,12 +181,13 @@ class Trainer:
             return None, (f"rank {self.rank}: {e}" if self.world_size > 1 else str(e))
         return mine, None
 
-    def _refuse_world_size(self, path: Path, meta: dict) -> str | None:
+    def _refuse_world_size(self, name: str, meta: dict) -> str | None:
         """The data's rank slices and the global batch depend on the world size: a run under another
         one cannot continue that trajectory (kept as a refusal, with what to do)."""
         if meta["world_size"] == self.world_size:
             return None
-        return (f"{path}: saved by a run with world size {meta['world_size']}, this run has {self.world_size}; "
+        return (f"{self.state_dir.where(name)}: saved by a run with world size {meta['world_size']}, this run has "
+                f"{self.world_size}; "
                 f"the data's rank slices and the global batch differ, so it cannot continue: rerun with "
                 f"{meta['world_size']} processes, or move {self.state_dir} aside to train from scratch")
 
@@ -195,11 +199,11 @@ class Trainer:
                 f"none is at or below it: raise train.steps to continue from one, or move {self.state_dir} aside "
                 f"to train from scratch")
 
-    def _warn_beyond(self, path: Path) -> None:
+    def _warn_beyond(self, name: str) -> None:
         beyond = steps_beyond(self.state_dir, self.fingerprint, self.cfg.steps)
         if beyond:
             log.warning("checkpoints at steps %s are beyond train.steps=%d: resuming from %s; they are removed "
-                        "once this run saves a checkpoint", beyond, self.cfg.steps, path.name)
+                        "once this run saves a checkpoint", beyond, self.cfg.steps, name)
 
     def _broadcast(self, obj):
         return obj if self.world_size == 1 else distributed.share(obj, self.device)
@@ -214,7 +218,7 @@ class Trainer:
                     "the old horizon, %.3e now (the schedule's horizon is the new steps from here on)",
                     old_steps, self.cfg.steps, step, step, old, new)
 
-    def save(self) -> Path | None:
+    def save(self) -> str | None:
         ranks = self._gather({"epoch": self.state.epoch, "position": self.state.position,
                               "tokens": self.state.tokens, "rng": rng_state(self.device),
                               "sampler": self.sampler.state_dict(self.state.epoch, self.state.position)})

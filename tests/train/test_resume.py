@@ -27,7 +27,7 @@ from tests.train.test_train import FAST, _stage_dir, losses, train
 # settings that change how a run is executed or how far it goes, not the trajectory it follows
 # (`layers` counts through the resolved layer list, passed on its own)
 RESUME_NEUTRAL = {"steps", "checkpoint_every", "keep_checkpoints", "num_workers", "read_ahead", "mirror", "mirror_gb",
-                  "threads", "launcher",
+                  "state_url", "state_storage_options", "threads", "launcher",
                   "layers", "collective_timeout_s"}
 
 
@@ -49,6 +49,8 @@ def _other(name: str, value, tp):
         return value + [5]
     if isinstance(value, str):
         return value + " --other"
+    if isinstance(value, dict):
+        return {**value, "other": 1}
     raise AssertionError(f"no perturbation for train.{name} ({tp})")
 
 
@@ -348,3 +350,70 @@ def test_torchrun_ranks_resume_from_the_same_checkpoint_or_all_stop(tmp_path, sm
     assert "trainer.py" not in proc.stdout, proc.stdout[-4000:]  # a message, not a worker's traceback
     assert proc.stdout.count("DDP modules alive at exit: 0") == 2, proc.stdout[-4000:]
     assert [p.name for p in list_checkpoints(state0)] == before
+
+
+# ---- resume state on S3 --------------------------------------------------------------------------
+
+def test_checkpoints_at_an_s3_url_save_list_read_set_aside_and_name_what_is_wrong(moto):
+    from deepspec.train.checkpoint import read_stored, save_checkpoint, set_aside_stale, steps_beyond, valid_checkpoints
+    from deepspec.train.state_dir import StateDir
+
+    state = StateDir(f"s3://{moto.bucket('state-unit')}/run/state", moto.storage_options)
+    model = {"w": torch.arange(6, dtype=torch.float32, device="cpu").view(2, 3)}
+    opt = {"w.exp_avg": torch.ones(2, 3, device="cpu")}
+    for step in (10, 20, 30):
+        where = save_checkpoint(state, step, {"w": model["w"] * step}, opt, {"fingerprint": "A"}, keep=2)
+        assert where == f"{state.url}/ckpt-{step:08d}"
+    assert state.entries("ckpt-") == ["ckpt-00000020", "ckpt-00000030"]  # pruned to 2, as locally
+    got = [(n, m["w"][0, 1].item()) for n, m, _, _ in valid_checkpoints(state, "A", max_step=100)]
+    assert got == [("ckpt-00000030", 30.0), ("ckpt-00000020", 20.0)]
+    assert steps_beyond(state, "A", 20) == [30]
+    # damage as an interrupted upload leaves it: a tensor file cut short, then a checkpoint with no commit mark
+    fs = state.fs
+    key = f"{state.root}/ckpt-00000030/model.safetensors"
+    fs.pipe_file(key, fs.cat_file(key)[:50])
+    with pytest.raises(CheckpointError, match=rf"{state.url}/ckpt-00000030/model.safetensors: content does not "
+                                              r"match the hash"):
+        read_stored(state, "ckpt-00000030")
+    fs.rm(f"{state.root}/ckpt-00000030/meta.json")
+    with pytest.raises(CheckpointError, match=rf"{state.url}/ckpt-00000030: no meta.json"):
+        read_stored(state, "ckpt-00000030")
+    assert [n for n, *_ in valid_checkpoints(state, "A", max_step=100)] == ["ckpt-00000020"]
+    # other params set the checkpoints aside, and switching back brings them back
+    set_aside_stale(state, "B")
+    assert state.entries("ckpt-") == ["ckpt-00000030"]  # no commit mark: not judged, left
+    assert state.entries("ckpt-", under="stale-A") == ["stale-A/ckpt-00000020"]
+    set_aside_stale(state, "A")
+    assert state.entries("ckpt-") == ["ckpt-00000020", "ckpt-00000030"] and state.entries("stale-") == []
+    assert read_stored(state, "ckpt-00000020")[0]["w"][0, 1].item() == 20.0
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_sharing_only_an_s3_bucket_resume_exactly(tmp_path, moto, small_cache, trained_target):
+    """Two ranks, each in a directory of its own (no shared filesystem), resume state on S3."""
+    bucket = moto.bucket("state-torchrun")
+    kw = dict(steps=40, keep_checkpoints=3, state_url=f"s3://{bucket}/team/state",
+              state_storage_options={"endpoint_url": moto.endpoint})
+    node0 = _stage_dir(tmp_path / "node0", small_cache, trained_target, **kw)
+    node1 = _stage_dir(tmp_path / "node1", small_cache, trained_target, **kw)
+    driver = tmp_path / "driver.py"
+    driver.write_text(NODE_DRIVER)
+    args = [str(node0), str(node1), str(REPO / "stages" / "train.py")]
+    env = project_env(REPO, DEEPSPEC_LOG="INFO")
+    first = _torchrun(tmp_path, env, timeout=240, script=driver, args=args)
+    assert first.returncode == 0, first.stdout[-4000:]
+    assert not (node0 / "data" / "train_state").exists() and not (node1 / "data" / "train_state").exists()
+    full = load_file(node0 / "data" / "draft" / "model.safetensors")
+    fs = moto.client()
+    keys = [o["Key"] for o in fs.list_objects_v2(Bucket=bucket, Prefix="team/state/")["Contents"]]
+    assert {k.split("/")[2] for k in keys} == {"ckpt-00000020", "ckpt-00000030", "ckpt-00000040"}
+    for k in keys:  # the run died after saving step 30
+        if "/ckpt-00000040/" in k:
+            fs.delete_object(Bucket=bucket, Key=k)
+    shutil.rmtree(node0 / "data" / "draft")
+    proc = _torchrun(tmp_path, env, timeout=240, script=driver, args=args)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert proc.stdout.count(f"resumed from s3://{bucket}/team/state/ckpt-00000030 (step 30") == 2, \
+        proc.stdout[-4000:]
+    resumed = load_file(node0 / "data" / "draft" / "model.safetensors")
+    assert all(torch.equal(resumed[k], full[k]) for k in full)
