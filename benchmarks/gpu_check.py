@@ -295,6 +295,8 @@ def check_eval(target: Path, draft: Path, size: dict, device: torch.device, must
     out = {"prompts": len(prompts), "greedy_match": match, "tau_greedy": round_metrics(greedy, block)["tau"],
            "tau_sampled": round_metrics(sampled, block)["tau"],
            "speedup_greedy": round(sum(p.seconds for p in plain) / max(sum(g.seconds for g in greedy), 1e-9), 3),
+           # what a decoding step costs the host and device together (devices.decoding's kernel order shows here)
+           "plain_ms_per_token": round(1000 * sum(p.seconds for p in plain) / max(sum(len(p.tokens) for p in plain), 1), 2),
            "peak_gib": peak_gib(device), "greedy_match_required": must_match}
     if must_match and device.type == "cuda":
         # In bf16 a verify forward over a block and a one-token forward round differently, and the
