@@ -302,7 +302,8 @@ def check_eval(target: Path, draft: Path, size: dict, device: torch.device, must
         # In bf16 a verify forward over a block and a one-token forward round differently, and the
         # argmax of a near-tie can flip (the eval stage reports greedy_match as measured). The
         # algorithm's check runs both in float32, where such flips are far below one in a run.
-        model.float(), draft_model.float()
+        model.float()
+        draft_model.float()
         dec = SpecDecoder(model, draft_model, stop, device)
         match = sum(dec.speculative(ids, size["new_tokens"], Warp(), seed=k).tokens
                     == dec.plain(ids, size["new_tokens"], Warp(), seed=k).tokens

@@ -187,9 +187,8 @@ class Trainer:
         if meta["world_size"] == self.world_size:
             return None
         return (f"{self.state_dir.where(name)}: saved by a run with world size {meta['world_size']}, this run has "
-                f"{self.world_size}; "
-                f"the data's rank slices and the global batch differ, so it cannot continue: rerun with "
-                f"{meta['world_size']} processes, or move {self.state_dir} aside to train from scratch")
+                f"{self.world_size}; the data's rank slices and the global batch differ, so it cannot continue: "
+                f"rerun with {meta['world_size']} processes, or move {self.state_dir} aside to train from scratch")
 
     def _refuse_beyond(self) -> str | None:
         beyond = steps_beyond(self.state_dir, self.fingerprint, self.cfg.steps)
