@@ -15,11 +15,8 @@ Checkpoints made under other params (another fingerprint) are moved to <dir>/sta
 not deleted: switching the params back brings them back. They are deleted once a run under the new
 params has saved a checkpoint of its own.
 
-<dir> is a local directory or an fsspec URL (`s3://bucket/prefix`: `StateDir`), so that ranks on
-several nodes share nothing but the bucket. Locally a checkpoint is written in a temporary directory
-and renamed into place; remotely its files are uploaded one by one from a local staging copy, meta.json
-last, and read back through a local copy (a remote rename would be a copy, and the commit mark is
-what makes a checkpoint whole in both cases).
+<dir> is a local directory or an fsspec URL (`s3://bucket/prefix`); deepspec/train/state_dir.py says
+how a checkpoint is committed and read on each.
 """
 from __future__ import annotations
 
