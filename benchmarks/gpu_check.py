@@ -284,6 +284,9 @@ def check_eval(target: Path, draft: Path, size: dict, device: torch.device, must
     rng = random.Random(1)
     prompts = [encode_prompt(tok, [{"role": "user", "content": f"What is {rng.randint(2, 999)} + {rng.randint(2, 999)}?"}])
                for _ in range(size["prompts"])]
+    # The first decode in a process pays CUDA's lazy start-up (kernel loading, cuBLAS handles), which
+    # would dominate a tiny model's ms per token.
+    dec.plain(prompts[0], 2, Warp(), seed=0)
     peak_reset(device)
     greedy, plain, sampled = [], [], []
     for k, ids in enumerate(prompts):
