@@ -22,6 +22,17 @@ def test_least_recently_used_entries_go_first_and_the_bound_holds():
     assert cache.get("missing", "default") == "default"
 
 
+def test_a_copy_for_another_process_starts_empty_with_the_same_bound():
+    import pickle
+
+    cache = BoundedCache(1000)
+    cache["a"] = np.zeros(10, np.uint8)
+    copy = pickle.loads(pickle.dumps(cache))  # what a spawned or forkserver loading process receives
+    assert (copy.max_bytes, len(copy), copy.bytes) == (1000, 0, 0)
+    copy["b"] = np.zeros(10, np.uint8)
+    assert "b" in copy and "b" not in cache
+
+
 @pytest.mark.parametrize("kind", ["zarr", "hdf5"])
 def test_a_reader_over_many_parts_keeps_a_bounded_share_of_their_tables(tmp_path, monkeypatch, kind):
     budget = 32 << 10

@@ -73,3 +73,11 @@ class BoundedCache:
         with self._lock:
             self._items.clear()
             self.bytes = 0
+
+    def __getstate__(self) -> dict:
+        """A copy sent to another process (a loading process started by spawn or forkserver) starts
+        empty: its entries are read again there, and a lock does not cross processes."""
+        return {"max_bytes": self.max_bytes}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["max_bytes"])
