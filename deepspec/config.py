@@ -200,6 +200,10 @@ class TrainConfig:
     # 0: each epoch a random order of all samples; W: the cache's parts in a random order, W at a time,
     # the samples of each W parts in a random order (what a mirror of a store too large for local disk needs)
     window_parts: Annotated[Int, Field(ge=0)] = 0
+    # offline: read the store the cache stage built. read-through: the cache stage only plans, and this
+    # stage writes the store's parts (deepspec/cache/build/fill.py) in the order it first reads them,
+    # training from its first window on; parts the store holds are read, never computed again
+    capture: Literal["offline", "read-through"] = "offline"
     seed: Annotated[Int, Field(ge=0)] = 0
     threads: Annotated[Int, Field(ge=0)] = 0
     # multi-rank: how long a collective waits for the slowest rank (rank 0 alone reads the corpus for

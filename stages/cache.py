@@ -4,11 +4,14 @@ Runs as one process, or under `torchrun --nproc-per-node N stages/cache.py` (eac
 own parts of a disjoint sample range; rank 0 holds the store's lease, writes the manifest and the
 metrics). The store written is `cache.url` itself for a local path, `<cache.url>/<store key>` for a
 remote lake (docs/cache-format.md §9); data/cache/manifest.json records its full URL for `train`.
+With `train.capture: read-through` the stage only plans the store (data/cache/manifest.json then
+lists the parts to come, not consolidated) and the train stage writes the parts as it trains.
 """
 import json
 from pathlib import Path
 
-from deepspec.cache.build.stage import build_cache
+from deepspec.cache.build.stage import build_cache, plan_cache
+from deepspec.cache.storage.urls import is_remote, local_path
 from deepspec.cache.spec.format import CacheFormatError
 from deepspec.cache.tools.verify import disk_usage
 from deepspec.distributed import launch
@@ -19,15 +22,41 @@ from deepspec.stage import StageError, configure_threads, run_stage
 def split_timings(report: dict) -> dict:
     """Remove the wall-clock fields (and how the rows were shared among ranks) from the build report,
     in place, and return them: the report is a function of the input, the metrics of the run."""
-    times = {k: report.pop(k) for k in ("wall_s", "forward_s", "load_s", "rows_indexed_by_rank") if k in report}
+    times = {k: report.pop(k) for k in ("wall_s", "forward_s", "load_s", "rows_indexed_by_rank", "target_forwards",
+                                        "tokens_computed") if k in report}
     if isinstance(report.get("derive"), dict) and "wall_s" in report["derive"]:
         times["derive_wall_s"] = report["derive"].pop("wall_s")
     return times
 
 
+def plan_only(params, device) -> None:
+    """train.capture: read-through: the plan and nothing else (the train stage writes the parts)."""
+    cfg = params.cache
+    try:
+        report = plan_cache(cfg, params.layers, Path("data/regen/train.jsonl"), Path("data/target"), device)
+    except CacheFormatError as e:
+        raise StageError(str(e)) from None
+    manifest = report.pop("manifest")
+    if not is_remote(manifest["url"]):
+        # the DVC output exists from the plan on; the train stage fills it
+        Path(local_path(manifest["url"])).mkdir(parents=True, exist_ok=True)
+    metrics = {"samples": manifest["num_samples"], "tokens": manifest["num_tokens"], "parts": len(manifest["parts"]),
+               "layers": len(manifest["layers"]), "mode": "planned (train.capture: read-through)"}
+    metrics |= split_timings(report)
+    write_json("data/cache/metrics.json", metrics)
+    write_json("data/cache/report.json", report)
+    write_json("data/cache/manifest.json", manifest)
+    print(json.dumps(metrics))
+
+
 def main(params):
     cfg = params.cache
     configure_threads(cfg.threads)
+    if params.train.capture == "read-through":
+        with launch(cfg.collective_timeout_s) as d:
+            if d.rank == 0:
+                plan_only(params, d.device)
+        return
     with launch(cfg.collective_timeout_s) as d:
         try:
             report = build_cache(cfg, params.layers, Path("data/regen/train.jsonl"), Path("data/target"),

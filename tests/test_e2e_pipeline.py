@@ -241,6 +241,40 @@ def test_a_sampling_experiment_recomputes_the_cache_and_retrains(pipeline, tmp_p
     dvc(pipeline, "checkout")
 
 
+def test_a_read_through_experiment_plans_in_the_cache_stage_and_fills_the_store_in_train(pipeline, tmp_path):
+    from deepspec.cache.build.stage import build_cache
+    from deepspec.config import load_params
+    from tests.cache.test_derive import store_files
+
+    # smaller parts: a plan the store does not hold yet, cut into several windows of parts
+    out = dvc(pipeline, "exp", "run", "-S", "train.capture=read-through", "-S", "train.window_parts=2",
+              "-S", "cache.part_tokens=12000", "-S", "train.steps=60",
+              "-S", "eval.suites=[{source: heldout, max_prompts: 2}]", "-n", "read-through", timeout=3600).stdout
+    ran = {s for s in ("split", "target", "regen", "cache", "train", "eval") if f"Running stage '{s}'" in out}
+    assert ran == {"cache", "train", "eval"}, out[-3000:]
+    assert json.loads((pipeline / "data/cache/report.json").read_text())["mode"] == "planned"
+    planned = json.loads((pipeline / "data/cache/manifest.json").read_text())
+    metrics = json.loads((pipeline / "data/train/metrics.json").read_text())
+    assert metrics["capture"] == "read-through" and metrics["target_forwards"] > 0 and len(planned["parts"]) >= 4
+    assert metrics["parts_computed"] + metrics["parts_kept"] == len(planned["parts"]) and metrics["parts_computed"]
+    # train left the store a from-scratch cache stage build gives
+    params = load_params(pipeline / "params.yaml")
+    scratch = tmp_path / "scratch.zarr"
+    build_cache(dataclasses.replace(params.cache, url=str(scratch), derive_from="none"), params.layers,
+                pipeline / "data/regen/train.jsonl", pipeline / "data/target")
+    assert store_files(str(pipeline / "data/cache.zarr")) == store_files(str(scratch))
+    root = json.loads((pipeline / "data/cache.zarr/zarr.json").read_text())["attributes"]
+    assert [p["name"] for p in root["parts"]] == [p["name"] for p in planned["parts"]]
+    # the cache stage recorded the store before train filled it: DVC sees it changed, and a repro
+    # plans again (no forward) and records it, without training again
+    assert "data/cache.zarr" in dvc(pipeline, "status").stdout
+    again = dvc(pipeline, "repro").stdout
+    assert "Running stage 'cache'" in again and "Running stage 'train'" not in again, again[-3000:]
+    assert "up to date" in dvc(pipeline, "status").stdout
+    git(pipeline, "checkout", "--", ".")  # back to the default params (outputs follow on the next step)
+    dvc(pipeline, "checkout")
+
+
 def test_growth_appends_parts_and_pushes_only_new_files(pipeline, remote, moto):
     # move the source to a file holding exactly the packaged corpus: nothing downstream changes
     from deepspec.embedded.corpus import builtin_chat_rows

@@ -28,14 +28,16 @@ class TargetCacheDataset(Dataset):
     def __init__(self, url: str, layers: list[int] | None = None, fields: tuple[str, ...] = FIELDS,
                  storage_options: dict | None = None, cache_dir: str | None = None, verify: bool = True,
                  expect: dict | None = None, fast: bool = True, check_threads: int | None = None,
-                 read_ahead: int | None = None, range_bytes: int | None = None, manifest: dict | None = None):
+                 read_ahead: int | None = None, range_bytes: int | None = None, manifest: dict | None = None,
+                 planned=None):
         unknown = [f for f in fields if f not in FIELDS]
         if unknown:
             raise ValueError(f"unknown fields {unknown} (known: {list(FIELDS)})")
         self.url = url
         # `manifest`: the parts and index a recorded manifest lists (CacheReader), not the root's now
+        # `planned`: (manifest, index rows) of a store being filled (cache.build.fill; CacheReader)
         self.reader = CacheReader(url, storage_options, expect=expect, verify=verify, fast=fast,
-                                  cache_dir=cache_dir, manifest=manifest)
+                                  cache_dir=cache_dir, manifest=manifest, planned=planned)
         if check_threads is not None:  # threads checking crc32c of local reads (CacheReader.check_threads)
             self.reader.set_check_threads(check_threads)
         if read_ahead is not None or range_bytes is not None:  # remote stores (CacheReader.read_ahead)

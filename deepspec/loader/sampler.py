@@ -41,6 +41,9 @@ class ResumableBatchSampler(Sampler[list[int]]):
         self.drop_last = drop_last
         self.epoch = 0
         self.position = 0  # batches already yielded (by this rank) in `epoch`
+        # called with each batch before it is yielded (in the process that iterates the sampler, a
+        # DataLoader's main one): a read-through run blocks there until the batch's parts are stored
+        self.gate = None
 
     # ---- the plan --------------------------------------------------------------------------------
     def _order(self, epoch: int) -> np.ndarray:
@@ -60,6 +63,16 @@ class ResumableBatchSampler(Sampler[list[int]]):
                                                                         counts[w:w + self.window_parts])])
             order.append(window[torch.randperm(len(window), generator=g, device="cpu").numpy()])
         return np.concatenate(order) if order else np.zeros(0, np.int64)
+
+    def part_order(self, epoch: int) -> list[int]:
+        """The parts (the values of `parts`) in the order `epoch` first reads them: with window_parts,
+        window by window (what a read-through run computes them in); else the order in which the
+        epoch's samples first touch each part."""
+        order = self._order(epoch)
+        if self.parts is None:
+            return []
+        _, first = np.unique(self.parts[order], return_index=True)
+        return [int(p) for p in self.parts[order][np.sort(first)]]
 
     def global_batches(self, epoch: int) -> list[list[int]]:
         order = self._order(epoch)
@@ -92,6 +105,8 @@ class ResumableBatchSampler(Sampler[list[int]]):
         mine = self.batches(self.epoch)
         while self.position < len(mine):
             batch = mine[self.position]
+            if self.gate is not None:
+                self.gate(batch)
             self.position += 1
             yield batch
         self.epoch += 1

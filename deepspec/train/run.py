@@ -12,7 +12,8 @@ import torch
 
 from deepspec import distributed
 from deepspec.config import ConfigError, TrainConfig, to_dict
-from deepspec.io import fingerprint
+from deepspec.cache.build.fill import StoreFill
+from deepspec.io import fingerprint, write_json
 from deepspec.loader.dataset import TargetCacheDataset
 from deepspec.models.draft import DraftConfig, DraftModel
 from deepspec.models.registry import ALGORITHMS
@@ -131,7 +132,8 @@ def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path, vocab_count
 # or added later, is in the fingerprint. The world size is checked on its own (a resume under another
 # one is refused, see Trainer.restore).
 RESUME_NEUTRAL = ("steps", "checkpoint_every", "keep_checkpoints", "num_workers", "read_ahead", "mirror", "mirror_gb",
-                  "state_url", "state_storage_options", "threads", "launcher", "layers", "collective_timeout_s")
+                  "state_url", "state_storage_options", "threads", "launcher", "layers", "collective_timeout_s",
+                  "capture")
 
 
 def distinct_token_ids(dataset) -> np.ndarray:
@@ -149,33 +151,51 @@ def resume_fingerprint(cfg: TrainConfig, layers: list[int], target_id: str, mani
     """Checkpoints resume only into a run with the same fingerprint: same trajectory settings, draft
     input layers, target and cache content."""
     trajectory = {k: v for k, v in to_dict(cfg).items() if k not in RESUME_NEUTRAL}
+    # a part as the plan names it (a read-through run's planned manifest has no HDF5 chunk-table position)
+    parts = [[p["name"], p["samples"], p["tokens"]] for p in manifest["parts"]]
     return fingerprint({"train": trajectory, "layers": layers, "target": target_id,
-                        "cache": [manifest["parts"], manifest["dtype"]]})
+                        "cache": [parts, manifest["dtype"]]})
 
 
 def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_dir: Path, out_dir: Path,
                   state_dir: StateDir | Path, storage_options: dict | None = None, rank: int = 0, world: int = 1,
-                  device: torch.device | None = None, manifest: dict | None = None) -> Trainer:
+                  device: torch.device | None = None, manifest: dict | None = None,
+                  fill: StoreFill | None = None) -> Trainer:
     """`manifest`: the cache stage's recorded manifest; the trainer reads exactly the parts it lists.
-    `state_dir`: where resume state lives (a local path, or a StateDir of any fsspec URL)."""
+    `state_dir`: where resume state lives (a local path, or a StateDir of any fsspec URL). `fill`: a
+    read-through run's store fill (cache/build/fill.py): the store is read as it plans it, each batch
+    once its parts are committed, and `cache_url`/`manifest` are not used."""
     device = device or torch.device("cpu")
     identity = load_identity(target_dir)
+    where: dict = {"manifest": manifest}
+    if fill is not None:
+        planned = fill.plan()
+        cache_url, where = planned.url, {"planned": (planned.manifest, planned.rows)}
     dataset = TargetCacheDataset(cache_url, layers=layers, storage_options=storage_options, cache_dir=cfg.mirror or None,
-                                 expect={"target": identity}, read_ahead=cfg.read_ahead, manifest=manifest)
+                                 expect={"target": identity}, read_ahead=cfg.read_ahead, **where)
     dataset.reader.mirror_bytes = int(cfg.mirror_gb * 2**30)
+
+    def every_part() -> None:  # what reads every sample before training waits for the whole store
+        if fill is not None:
+            log.info("train: waiting for the read-through capture to store every part (the draft needs the "
+                     "whole corpus's tokens before its first step)")
+            fill.wait_all()
+
     counts = None
     if cfg.algorithm == "eagle3":
         from deepspec.models.eagle3 import loss_token_counts
 
         if rank == 0:  # one pass over the corpus's tokens, on one rank; the others get its result
+            every_part()
             tokens = TargetCacheDataset(cache_url, layers=[], fields=("input_ids", "loss_mask"),
-                                        storage_options=storage_options, manifest=manifest)
+                                        storage_options=storage_options, **where)
             counts = loss_token_counts(tokens)
         if world > 1:
             counts = distributed.share(counts, device)
     def cache_ids() -> np.ndarray:  # only read when no cheaper rule finds a mask token
+        every_part()
         tokens = TargetCacheDataset(cache_url, layers=[], fields=("input_ids",),
-                                    storage_options=storage_options, manifest=manifest)
+                                    storage_options=storage_options, **where)
         return distinct_token_ids(tokens)
 
     model = new_draft(cfg, layers, target_dir, counts, cache_ids).to(device)
@@ -194,16 +214,52 @@ def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_di
     fp = resume_fingerprint(cfg, layers, identity["id"], dataset.manifest)
     # dvclive starts a fresh curve unless the trainer resumes (then it keeps the steps up to the checkpoint)
     callbacks = [ProgressBar(), DvcLiveMetrics(out_dir / "live"), JsonMetrics(out_dir / "metrics.json")]
-    return Trainer(model, dataset, cfg, state_dir, fp, callbacks, rank, world, device, ddp)
+    trainer = Trainer(model, dataset, cfg, state_dir, fp, callbacks, rank, world, device, ddp)
+    if fill is not None:
+        read_through(trainer, fill)
+    return trainer
+
+
+def read_through(trainer: Trainer, fill: StoreFill) -> None:
+    """Have `fill` write the parts the store lacks in the order the first epoch reads them (window by
+    window with train.window_parts), and the trainer's sampler hand out a batch only once its parts
+    are committed. The order is the sampler's, a function of the plan and the seed, so the draft is
+    the one an offline run with the same settings trains on the finished store, whatever the timing."""
+    names = fill.plan().names
+    part_of = trainer.dataset.sample_parts()
+    fill.compute([names[p] for p in trainer.sampler.part_order(0)])
+    trainer.sampler.gate = lambda batch: fill.wait({names[p] for p in part_of[batch]})
+    trainer.loader_context = lambda: None if fill.idle() else "forkserver"
+
+
+def capture_counts(cfg: TrainConfig, trainer: Trainer, fill: StoreFill | None) -> dict:
+    """The train stage's metrics of what it captured beside what it read (without a fill the run
+    reads every part of the store and captures nothing)."""
+    if fill is not None:
+        return {"capture": cfg.capture, **fill.counts()}
+    return {"capture": cfg.capture, "target_forwards": 0, "parts_computed": 0, "parts_derived": 0,
+            "parts_kept": len(trainer.dataset.manifest["parts"]), "tokens_computed": 0, "wait_for_parts_s": 0.0}
 
 
 def run_training(cfg: TrainConfig, layers: list[int], cache_url: str, target_dir: Path, draft_dir: Path,
                  out_dir: Path, state_dir: StateDir | Path, storage_options: dict | None = None, rank: int = 0,
-                 world: int = 1, device: torch.device | None = None, manifest: dict | None = None) -> dict:
-    trainer = build_trainer(cfg, layers, cache_url, target_dir, out_dir, state_dir, storage_options, rank, world,
-                            device, manifest)
-    final = trainer.fit()
+                 world: int = 1, device: torch.device | None = None, manifest: dict | None = None,
+                 fill: StoreFill | None = None) -> dict:
+    """`fill` (train.capture: read-through): see build_trainer; the store is finished (every planned
+    part, the root switched to the plan) after the last step, before the draft is saved."""
+    try:
+        trainer = build_trainer(cfg, layers, cache_url, target_dir, out_dir, state_dir, storage_options, rank, world,
+                                device, manifest, fill)
+        final = trainer.fit()
+        if fill is not None:
+            fill.finish()
+    except BaseException:
+        if fill is not None:
+            fill.abort()
+        raise
+    final = dict(final, **capture_counts(cfg, trainer, fill))
     if rank == 0:
+        write_json(out_dir / "metrics.json", final)
         if draft_dir.exists():
             shutil.rmtree(draft_dir)
         trainer.model.save(draft_dir)

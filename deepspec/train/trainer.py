@@ -17,6 +17,7 @@ from contextlib import nullcontext
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.utils.data import DataLoader
@@ -65,6 +66,10 @@ class Trainer:
         self.device = device or torch.device("cpu")
         self.state = TrainState()
         self.data_wait_s = 0.0     # time this rank spent waiting for its next batch (of `fit`)
+        # how an epoch's loading processes start (None: the platform's default, fork on Linux); while
+        # other threads of this process are at work (a read-through fill computing parts) they start
+        # clean instead, since a fork copies whatever lock another thread holds at that moment
+        self.loader_context: Callable[[], str | None] = lambda: None
         self.last_metrics: dict = {}      # of the latest step (restored on resume, so a finished run
         self.final_metrics: dict = {}     # that is resumed reports the same final numbers)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -249,7 +254,8 @@ class Trainer:
             self._check_batches()  # an epoch with no batch would loop here forever
             loader = DataLoader(self.dataset, batch_sampler=self.sampler, collate_fn=collate,
                                 num_workers=self.cfg.num_workers, pin_memory=self.device.type == "cuda",
-                                persistent_workers=False)
+                                persistent_workers=False,
+                                multiprocessing_context=self.loader_context() if self.cfg.num_workers else None)
             for batch in Prefetcher(loader, self.device):
                 self.state.position += 1
                 yield batch

@@ -28,7 +28,7 @@ from tests.train.test_train import FAST, _stage_dir, losses, train
 # (`layers` counts through the resolved layer list, passed on its own)
 RESUME_NEUTRAL = {"steps", "checkpoint_every", "keep_checkpoints", "num_workers", "read_ahead", "mirror", "mirror_gb",
                   "state_url", "state_storage_options", "threads", "launcher",
-                  "layers", "collective_timeout_s"}
+                  "layers", "collective_timeout_s", "capture"}
 
 
 def _other(name: str, value, tp):
@@ -55,7 +55,7 @@ def _other(name: str, value, tp):
 
 
 def test_resume_fingerprint_covers_exactly_what_changes_the_trajectory():
-    manifest = {"parts": [{"name": "p0", "samples": 10}], "dtype": "bfloat16"}
+    manifest = {"parts": [{"name": "p0", "samples": 10, "tokens": 400}], "dtype": "bfloat16"}
     base = TrainConfig()
     fp = resume_fingerprint(base, [0, 2], "target-a", manifest)
     hints = typing.get_type_hints(TrainConfig)
@@ -65,7 +65,10 @@ def test_resume_fingerprint_covers_exactly_what_changes_the_trajectory():
         assert same == (f.name in RESUME_NEUTRAL), f"train.{f.name}: fingerprint {'un' if same else ''}changed"
     assert resume_fingerprint(base, [0, 1], "target-a", manifest) != fp
     assert resume_fingerprint(base, [0, 2], "target-b", manifest) != fp
-    assert resume_fingerprint(base, [0, 2], "target-a", dict(manifest, parts=[{"name": "p0", "samples": 11}])) != fp
+    assert resume_fingerprint(base, [0, 2], "target-a", dict(manifest, parts=[{"name": "p0", "samples": 11, "tokens": 400}])) != fp
+    # a planned part (read-through) and the same part committed in an HDF5 store resume into each other
+    hdf5 = dict(manifest, parts=[dict(manifest["parts"][0], chunk_index=[0, 10, 7])])
+    assert resume_fingerprint(base, [0, 2], "target-a", hdf5) == fp
     assert resume_fingerprint(base, [0, 2], "target-a", dict(manifest, dtype="float8_e4m3fn")) != fp
 
 

@@ -21,7 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from deepspec.cache.backends.base import PartRows, index_rows
 from deepspec.cache.spec.format import CacheFormatError, bytes_per_token, encode_hidden_on_device, part_name
+from deepspec.cache.spec.manifest import Manifest, PartEntry
 from deepspec.cache.spec.plan import pack_ranges, part_ranges, store_order
 from deepspec.cache.write.lease import new_run_id
 from deepspec.cache.storage.urls import is_remote
@@ -49,6 +51,19 @@ def plan_store(index: RowIndex, part_tokens: int) -> list[tuple[str, np.ndarray]
         rows = store_order(np.arange(a, b, dtype=np.int64), index.lengths)
         out.append((part_name(index.keys[rows], index.sample_ids[rows]), rows))
     return out
+
+
+def planned_manifest(content: dict, index: RowIndex, plan: list[tuple[str, np.ndarray]]) -> tuple[Manifest, np.ndarray]:
+    """The manifest of the store `plan` describes before any of its parts exists (content fields,
+    the planned parts in plan order, not consolidated: no index object yet) and its per-sample index
+    rows (backends.base.index_rows): what a reader of a store being filled in plan order needs."""
+    m = Manifest.from_dict({k: v for k, v in dict(content).items()
+                            if k not in ("parts", "num_samples", "num_tokens", "consolidated", "index", "url")})
+    m.parts = [PartEntry.of(name, len(rows), int(index.lengths[rows].sum())) for name, rows in plan]
+    m.consolidated = False
+    rows = index_rows(m.parts, {name: PartRows(index.lengths[r], index.sample_ids[r], index.keys[r])
+                                for name, r in plan})
+    return m, rows
 
 
 def length_batches(samples: list[Sample], batch_tokens: int) -> list[list[int]]:
@@ -171,15 +186,38 @@ def load_target(target_dir: Path, device: torch.device, compute: dict | None = N
     return load_tokenizer(target_dir), load_model(target_dir, device, compute)
 
 
+class FillHooks:
+    """Where a read-through run (fill.py) joins a single-rank build; each default changes nothing.
+    The hooks run on the building thread, except `committed`, which runs on the writer's."""
+
+    def planned(self, url: str, manifest: Manifest, rows: np.ndarray, have: set[str]) -> list[str] | None:
+        """The store at `url` is planned (planned_manifest) and holds the parts `have`; returns the
+        order to write the others in (None: plan order)."""
+        return None
+
+    def before_part(self, name: str) -> None:
+        """About to write part `name` (raise to stop the build: nothing uncommitted is kept)."""
+
+    def committed(self, name: str) -> None:
+        """Part `name` is committed: readable from now on."""
+
+    def filled(self) -> None:
+        """Every planned part is committed; the root is switched to the plan once this returns."""
+
+
 def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir: Path,
                 rank: int = 0, world: int = 1, device: torch.device | None = None,
-                prune_stale: bool | None = None, share=None, gather=None) -> dict:
+                prune_stale: bool | None = None, share=None, gather=None, hooks: FillHooks | None = None) -> dict:
     """Compute and write every missing part of the store for `cfg.url` (store.store_url: the path
     itself, or `<lake>/<store key>` on a remote URL); returns the stage report (rank 0's view,
     `report["url"]` is the store written). Multi-rank: `share(value)` returns rank 0's value on every
     rank (the job's lease run id, the derivation, the store snapshot) and `gather(value)` every rank's
-    value, in rank order, on every rank (the index shares, the counts); both also synchronise the ranks."""
+    value, in rank order, on every rank (the index shares, the counts); both also synchronise the ranks.
+    `hooks` (one rank only): a read-through run's view of the build (FillHooks)."""
     from deepspec.cache.build.derive import Derivation, follow, prepare
+
+    if hooks is not None and world > 1:
+        raise ValueError("a build with fill hooks runs on one rank")
 
     t0 = time.time()
     device = device or torch.device("cpu")
@@ -219,6 +257,8 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
             derivation.started = t_derive
             writer = CacheWriter(derivation.write_url, derivation.manifest(manifest), cfg.storage_options, rank=0,
                                  prune_stale=prune_stale, run_id=run_id)
+            if hooks is not None:
+                writer.on_commit = hooks.committed
         if world > 1:
             # also the barrier: every rank writes where rank 0 does and derives from the same source
             plan = share(derivation.plan if rank == 0 else None)
@@ -226,7 +266,7 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
                 derivation = follow(url, plan, cfg.storage_options, manifest)
                 writer = CacheWriter(derivation.write_url, manifest, cfg.storage_options, rank=rank, run_id=run_id)
         report = _build(writer, cfg, layers, regen_path, ident, tokenizer, get_model, pad_id, device,
-                        rank, world, share, gather, derivation.source)
+                        rank, world, share, gather, derivation.source, hooks or FillHooks())
         writer.release()
         derivation.finish()  # a local in-place derive: the new store takes the old one's place
     except BaseException:
@@ -252,21 +292,61 @@ class EmptyInput(CacheFormatError):
     """The stage's input holds no sample to cache: it fails rather than keep an earlier store."""
 
 
-def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path: Path, ident: dict, tokenizer,
-           get_model, pad_id: int, device: torch.device, rank: int, world: int, share, gather,
-           source=None) -> dict:
-    """Write every planned part the store lacks: taken from `source` (deepspec.cache.build.derive) when it
-    holds a part of the same content, else computed with the target; then list exactly the planned
-    parts."""
-    # each rank tokenises an equal byte share of the input; the gathered shares are the index of the
-    # whole input on every rank, and the plan a pure function of it (no rank waits on work done for all)
+def index_input(tokenizer, regen_path: Path, cfg: CacheConfig, rank: int = 0, world: int = 1, gather=None):
+    """(RowIndex of the whole regen file, the per-rank shares it was merged from). Each rank tokenises
+    an equal byte share of the input; the gathered shares are the index of the whole input on every
+    rank, and the plan a pure function of it (no rank waits on work done for all)."""
     rules = EncodeRules.of(cfg)
     if world > 1:
         start, end = line_ranges(regen_path, world)[rank]
         shares = gather(index_share(tokenizer, regen_path, rules, start, end))
     else:
         shares = [index_share(tokenizer, regen_path, rules)]
-    index = merge_shares(regen_path, shares)  # every rank raises the same error for an unreadable row
+    return merge_shares(regen_path, shares), shares  # every rank raises the same error for an unreadable row
+
+
+def check_not_empty(index: RowIndex, regen_path: Path) -> None:
+    if not len(index.lengths):
+        reasons = collections.Counter(d["reason"] for d in index.dropped)
+        why = "it has no rows" if not index.rows else \
+            f"all {index.rows} rows were dropped ({', '.join(f'{k}: {v}' for k, v in sorted(reasons.items()))})"
+        raise EmptyInput(f"{regen_path}: nothing to cache: {why}; check the regen stage's output "
+                         "(data/regen/train.jsonl and data/regen/errors.jsonl)")
+
+
+def input_report(index: RowIndex, shares) -> dict:
+    """The part of the stage report that describes the input (rows, samples, what was dropped or changed)."""
+    return {"rows": index.rows, "samples": len(index.lengths), "dropped": index.dropped,
+            "dropped_by_reason": dict(sorted(collections.Counter(d["reason"] for d in index.dropped).items())),
+            "adjusted": index.adjusted, "rows_indexed_by_rank": [sh.index.rows for sh in shares]}
+
+
+def plan_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir: Path,
+               device: torch.device | None = None) -> dict:
+    """The cache stage when training fills the store (train.capture: read-through): the plan alone,
+    computed as build_cache computes it, and nothing read or written in any store. The report's
+    `manifest` is planned_manifest's (plus `url`): what the read-through run checks its own plan
+    against before it writes a part."""
+    device = device or torch.device("cpu")
+    ident = load_identity(target_dir)
+    check_layers(layers, ident["num_layers"])
+    manifest = cache_manifest(cfg, layers, ident, compute_of(cfg, target_dir, device))
+    index, shares = index_input(load_tokenizer(target_dir), regen_path, cfg)
+    check_not_empty(index, regen_path)
+    plan = plan_store(index, part_tokens_for(cfg, ident["hidden_size"]))
+    planned, _ = planned_manifest(manifest, index, plan)
+    report = input_report(index, shares)
+    report.update(parts=len(plan), mode="planned", manifest=dict(planned.to_dict(), url=store_url(cfg.url, manifest)))
+    return report
+
+
+def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path: Path, ident: dict, tokenizer,
+           get_model, pad_id: int, device: torch.device, rank: int, world: int, share, gather,
+           source=None, hooks: FillHooks = FillHooks()) -> dict:
+    """Write every planned part the store lacks: taken from `source` (deepspec.cache.build.derive) when it
+    holds a part of the same content, else computed with the target; then list exactly the planned
+    parts."""
+    index, shares = index_input(tokenizer, regen_path, cfg, rank, world, gather)
     plan = plan_store(index, part_tokens_for(cfg, ident["hidden_size"]))
     # the parts the store has, and those of the rest the source holds (derived, not computed)
     records = writer.committed_parts() if rank == 0 else {}
@@ -289,26 +369,27 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
                     "; ".join(fp for fp in written_by if fp != fingerprint), fingerprint)
     todo = [(name, rows) for name, rows in plan if name not in have]
     cached = int(sum(len(rows) for name, rows in plan if name in have))
-    if not len(index.lengths):
-        reasons = collections.Counter(d["reason"] for d in index.dropped)
-        why = "it has no rows" if not index.rows else \
-            f"all {index.rows} rows were dropped ({', '.join(f'{k}: {v}' for k, v in sorted(reasons.items()))})"
-        raise EmptyInput(f"{regen_path}: nothing to cache: {why}; check the regen stage's output "
-                         "(data/regen/train.jsonl and data/regen/errors.jsonl)")
+    check_not_empty(index, regen_path)
+    order = hooks.planned(writer.url, *planned_manifest(writer.manifest.to_dict(), index, plan), set(have))
+    if order is not None:
+        position = {name: k for k, name in enumerate(order)}
+        todo.sort(key=lambda t: position.get(t[0], len(position)))
     # derivable and computed parts are shared among the ranks each on its own (a contiguous range of
     # each), so a layer subset or dtype change under a multi-rank launcher spreads the derive over every
     # rank and takes no target forward, and no rank derives while another computes everything
     kinds = [t for t in todo if t[0] in derivable], [t for t in todo if t[0] not in derivable]
-    mine = [t for kind in kinds for t in kind[rank * len(kind) // world:(rank + 1) * len(kind) // world]]
+    mine = [t for kind in kinds for t in kind[rank * len(kind) // world:(rank + 1) * len(kind) // world]] \
+        if order is None else todo  # a fill (one rank) writes in the order its reader needs the parts
     log.info("cache: %d rows, %d usable, %d parts planned: %d already in the store (%d samples), %d to write "
              "(%d on this rank)", index.rows, len(index.lengths), len(plan), len(plan) - len(todo), cached,
              len(todo), len(mine))
 
-    forward_s, computed, derived, mine_by = 0.0, 0, 0, collections.Counter()
+    forward_s, computed, derived, mine_by, forwards, tokens = 0.0, 0, 0, collections.Counter(), 0, 0
     bar = progress(total=int(sum(index.lengths[rows].sum() for _, rows in mine)), unit="tok", desc=f"cache[{rank}]",
                dynamic_ncols=True, disable=rank != 0 and world > 1)
     try:
         for name, samples in part_samples(tokenizer, index, mine, EncodeRules.of(cfg)):
+            hooks.before_part(name)
             part = source.part(name, samples) if source is not None else None
             if part is None:
                 model = get_model()
@@ -317,6 +398,8 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
                                     writer=writer, computed_by=fingerprint)  # streamed: written as they come
                 forward_s += time.time() - tf
                 computed += 1
+                forwards += len(length_batches(samples, cfg.batch_tokens))
+                tokens += part.tokens
             else:
                 writer.submit(part)
                 derived += 1
@@ -324,23 +407,23 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
             del samples  # the next part's samples are tokenised before this name is rebound
             bar.update(part.tokens)
         writer.close(consolidate=False)  # rank 0 consolidates once, below, after every rank
+        hooks.filled()
     except BaseException:
         writer.abort()
         raise
     finally:
         bar.close()
-    counts = [(computed, derived, forward_s, mine_by)]
+    counts = [(computed, derived, forward_s, mine_by, forwards, tokens)]
     counts = gather(counts[0]) if world > 1 else counts  # also the barrier
     computed, derived = sum(c[0] for c in counts), sum(c[1] for c in counts)
     forward_s = max(c[2] for c in counts)
     for c in counts:
         written_by.update(c[3])
-    report = {"rows": index.rows, "samples": len(index.lengths), "dropped": index.dropped,
-              "dropped_by_reason": dict(sorted(collections.Counter(d["reason"] for d in index.dropped).items())),
-              "adjusted": index.adjusted, "rows_indexed_by_rank": [sh.index.rows for sh in shares],
-              "parts": len(plan), "parts_kept": len(plan) - len(todo), "samples_kept": cached,
-              "forward_s": round(forward_s, 2), "parts_computed": computed, "parts_derived": derived,
-              "computed_by": dict(sorted(written_by.items()))}
+    report = input_report(index, shares)
+    report.update({"parts": len(plan), "parts_kept": len(plan) - len(todo), "samples_kept": cached,
+                   "forward_s": round(forward_s, 2), "parts_computed": computed, "parts_derived": derived,
+                   "target_forwards": sum(c[4] for c in counts), "tokens_computed": sum(c[5] for c in counts),
+                   "computed_by": dict(sorted(written_by.items()))})
     if rank == 0:
         # the planned parts, in plan order (other ranks' parts too); the parts of an earlier input
         # leave the listing (and, locally, the store)

@@ -66,12 +66,14 @@ class CacheReader:
 
     def __init__(self, url: str, storage_options: dict | None = None, expect: dict | None = None,
                  verify: bool = True, fast: bool = True, cache_dir: str | None = None,
-                 manifest: dict | None = None):
+                 manifest: dict | None = None, planned: tuple[Manifest, np.ndarray] | None = None):
         """`manifest`: read the parts and index this manifest lists (the one the cache stage recorded,
         data/cache/manifest.json) instead of the ones the store's root lists now: in a lake another
         experiment may have switched the root to its own samples since. Its content fields must be
         the store's. `cache_dir`: where a remote store's arrays are mirrored whole (Zarr: mirror.py;
-        HDF5: fsspec's block cache keeps the byte ranges read)."""
+        HDF5: fsspec's block cache keeps the byte ranges read). `planned`: (manifest, index rows) of a
+        store being filled (cache.build.fill): its parts are read as listed there, each once its writer
+        has committed it (the caller waits for that); the store's root is not read."""
         self.url = url
         self.storage_options = storage_options
         self.cache_dir = cache_dir
@@ -79,7 +81,10 @@ class CacheReader:
         self.fast = fast
         self.store: CacheStore = open_cache(url, storage_options)
         self._opened_in = os.getpid()
-        self.manifest = self.store.read_manifest()
+        if planned is not None:
+            self.manifest, planned_rows = planned
+        else:
+            self.manifest = self.store.read_manifest()
         if manifest is not None:
             pinned = Manifest.from_dict({k: v for k, v in manifest.items() if k != "url"}, url)
             why = manifest_mismatch(self.manifest, pinned)
@@ -107,7 +112,7 @@ class CacheReader:
             if key not in {self.store.index_key(n) for n in self.store.index_keys()}:
                 raise CacheFormatError(f"{url}: the recorded manifest's index {key} is no longer in the store (it "
                                        "was rebuilt for other input since): rerun the cache stage")
-        index = self.store.open_index(self.manifest)
+        index = planned_rows if planned is not None else self.store.open_index(self.manifest)
         self._keys = None  # per part, uint64 [n, 2] content keys (v3); None for older stores
         if index is not None:
             self._offsets, self._ids, self._keys = split_index(index, self.entries, url)

@@ -92,6 +92,9 @@ class CacheWriter:
         self._feeds: list[PartFeed] = []  # streamed parts not yet written
         self._error: BaseException | None = None
         self._closed = False
+        # called with a part's name on the writer thread once the part is committed (a read-through
+        # run's trainer may read it from then on)
+        self.on_commit = None
         self._thread = threading.Thread(target=self._run, name="cache-writer", daemon=True)
         self._thread.start()
 
@@ -273,6 +276,8 @@ class CacheWriter:
                 continue
             try:
                 self.write_part(part)
+                if self.on_commit is not None:
+                    self.on_commit(part.name)
             except BaseException as e:  # surfaced to the producer on its next submit/close/put
                 self._error = e
             finally:

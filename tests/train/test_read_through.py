@@ -1,0 +1,240 @@
+"""train.capture: read-through: training from the first window while the store fills.
+
+The promises checked: the draft equals an offline run's with the same order on the finished store,
+bit for bit; the store equals a from-scratch cache build; a second experiment runs no target
+forward; a kill -9 anywhere loses no committed part and no sample of the epoch."""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from deepspec.cache.build.fill import FillError, StoreFill, check_plan, stored
+from deepspec.cache.build.stage import build_cache, plan_cache
+from deepspec.cache.read.reader import CacheReader
+from deepspec.config import CacheConfig, TrainConfig
+from deepspec.train.run import run_training
+from tests.cache.test_cache import LAYERS, workdir
+from tests.cache.test_derive import store_files
+from tests.conftest import REPO, project_env
+from tests.train.test_train import FAST
+
+# small parts, so that the first windows need a few of them and the rest come later
+CACHE = dict(part_tokens=400)
+TRAIN = dict(FAST, steps=20, checkpoint_every=5, window_parts=2)
+
+
+def weights(draft: Path) -> dict:
+    return load_file(draft / "model.safetensors")
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    wa, wb = weights(a), weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def offline(work: Path, cache: dict = CACHE, **train) -> dict:
+    """The cache stage's build, then training on it: the reference."""
+    regen, target = work / "data" / "regen" / "train.jsonl", work / "data" / "target"
+    url = str(work / "data" / "cache.zarr")
+    build_cache(CacheConfig(url=url, **cache), LAYERS, regen, target)
+    return run_training(TrainConfig(**{**TRAIN, **train}), LAYERS, url, target, work / "draft", work / "train",
+                        work / "state", manifest=dict(CacheReader(url).manifest))
+
+
+def read_through(work: Path, cache: dict = CACHE, **train) -> dict:
+    regen, target = work / "data" / "regen" / "train.jsonl", work / "data" / "target"
+    fill = StoreFill(CacheConfig(url=str(work / "data" / "cache.zarr"), **cache), LAYERS, regen, target)
+    return run_training(TrainConfig(**{**TRAIN, "capture": "read-through", **train}), LAYERS, None, target,
+                        work / "draft", work / "train", work / "state", fill=fill)
+
+
+def plan(work: Path, cache: dict = CACHE) -> dict:
+    """The cache stage's plan (data/cache/manifest.json) under train.capture: read-through."""
+    return plan_cache(CacheConfig(url=str(work / "data" / "cache.zarr"), **cache), LAYERS,
+                      work / "data" / "regen" / "train.jsonl", work / "data" / "target")["manifest"]
+
+
+@pytest.mark.parametrize("storage", ["zarr", "hdf5"])
+def test_read_through_trains_the_offline_draft_leaves_the_scratch_store_and_never_captures_twice(tmp_path,
+                                                                                                trained_target,
+                                                                                                storage):
+    cache = dict(CACHE, format=storage)
+    ref = workdir(tmp_path / "offline", trained_target)
+    rt = workdir(tmp_path / "read_through", trained_target)
+    base = offline(ref, cache)
+    first = read_through(rt, cache, num_workers=1)  # a loading process, started while the fill's threads run
+    parts = len(CacheReader(str(ref / "data" / "cache.zarr")).manifest.parts)
+    assert parts >= 4  # several windows of 2 parts: the order matters
+    assert same_weights(ref / "draft", rt / "draft")
+    assert store_files(str(ref / "data" / "cache.zarr")) == store_files(str(rt / "data" / "cache.zarr"))
+    assert dict(CacheReader(str(ref / "data" / "cache.zarr")).manifest) == \
+        dict(CacheReader(str(rt / "data" / "cache.zarr")).manifest)
+    assert (base["capture"], base["target_forwards"], base["parts_kept"]) == ("offline", 0, parts)
+    assert first["capture"] == "read-through"
+    assert (first["parts_computed"], first["parts_kept"]) == (parts, 0) and first["target_forwards"] >= parts
+    assert first["tokens_computed"] == CacheReader(str(ref / "data" / "cache.zarr")).manifest.num_tokens
+    assert first["final_loss"] == base["final_loss"]
+    # a second experiment on the same data, target and layers: another learning rate, no forward
+    shutil.rmtree(rt / "state")
+    second = read_through(rt, cache, lr=1e-3)
+    assert (second["target_forwards"], second["parts_computed"], second["parts_kept"]) == (0, 0, parts)
+    assert second["final_loss"] != first["final_loss"]
+    metrics = json.loads((rt / "train" / "metrics.json").read_text())
+    assert metrics["target_forwards"] == 0 and metrics["capture"] == "read-through"
+    # what the train stage sees next time: the planned store is full, so it is read as offline
+    full = stored(plan(rt, cache))
+    assert full is not None and full["index"] == dict(CacheReader(str(rt / "data" / "cache.zarr")).manifest)["index"]
+
+
+def test_a_stopped_read_through_run_leaves_its_committed_parts_and_the_next_computes_only_the_rest(
+        tmp_path, trained_target, monkeypatch):
+    from deepspec.cache.build import stage
+    from deepspec.train import trainer as trainer_mod
+
+    ref = workdir(tmp_path / "offline", trained_target)
+    rt = workdir(tmp_path / "read_through", trained_target)
+    offline(ref)
+    real_step, real_part = trainer_mod.Trainer.step, stage.compute_part
+
+    def slow_part(*args, **kw):  # the tiny target captures far faster than a real one trains
+        time.sleep(0.4)
+        return real_part(*args, **kw)
+
+    monkeypatch.setattr(stage, "compute_part", slow_part)
+
+    def failing_step(self, batches):  # a fault the trainer cannot be made to raise on demand otherwise
+        if self.state.step == 7:
+            raise RuntimeError("the trainer died")
+        return real_step(self, batches)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "step", failing_step)
+    with pytest.raises(RuntimeError, match="the trainer died"):
+        read_through(rt)
+    monkeypatch.setattr(trainer_mod.Trainer, "step", real_step)
+    monkeypatch.setattr(stage, "compute_part", real_part)
+    from deepspec.cache.backends.readers import open_cache
+
+    kept = set(open_cache(str(rt / "data" / "cache.zarr")).committed_parts())
+    parts = len(CacheReader(str(ref / "data" / "cache.zarr")).manifest.parts)
+    assert 0 < len(kept) < parts  # the first windows, not the whole store
+    assert stored(plan(rt)) is None  # a partial store is filled, not read as it is
+    final = read_through(rt)
+    assert (final["parts_kept"], final["parts_computed"]) == (len(kept), parts - len(kept))
+    assert same_weights(ref / "draft", rt / "draft")  # resumed from step 5's checkpoint
+    assert store_files(str(ref / "data" / "cache.zarr")) == store_files(str(rt / "data" / "cache.zarr"))
+
+
+def test_a_failed_capture_stops_the_run_naming_the_part_and_the_reason(tmp_path, trained_target, monkeypatch):
+    from deepspec.cache.build import stage
+
+    rt = workdir(tmp_path, trained_target)
+    real = stage.compute_part
+    calls = []
+
+    def oom_on_the_third(*args, **kw):  # a device out of memory: no real component does it on demand
+        calls.append(args[1])
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(stage, "compute_part", oom_on_the_third)
+    with pytest.raises(FillError) as failed:
+        read_through(rt)
+    assert len(calls) == 3
+    assert f"while writing part {calls[2]}: OutOfMemoryError: CUDA out of memory" in str(failed.value)
+    from deepspec.cache.backends.readers import open_cache
+
+    # the parts before it are committed, or dropped if still queued for the writer; never the failed one
+    assert set(open_cache(str(rt / "data" / "cache.zarr")).committed_parts()) <= set(calls[:2])
+
+
+def test_the_plan_is_the_cache_stages_and_another_one_is_refused(tmp_path, trained_target):
+    rt = workdir(tmp_path, trained_target)
+    regen, target = rt / "data" / "regen" / "train.jsonl", rt / "data" / "target"
+    cfg = CacheConfig(url=str(rt / "data" / "cache.zarr"), **CACHE)
+    recorded = plan_cache(cfg, LAYERS, regen, target)["manifest"]
+    fill = StoreFill(cfg, LAYERS, regen, target)
+    try:
+        planned = fill.plan()
+        check_plan(planned, recorded, "data/cache/manifest.json")
+        assert planned.names == [p["name"] for p in recorded["parts"]]
+        other = plan_cache(CacheConfig(url=cfg.url, part_tokens=300), LAYERS, regen, target)["manifest"]
+        with pytest.raises(FillError, match="data/cache/manifest.json: the cache stage planned another store.*parts"):
+            check_plan(planned, other, "data/cache/manifest.json")
+        fewer = plan_cache(cfg, [-1, 0], regen, target)["manifest"]
+        with pytest.raises(FillError, match="layers"):
+            check_plan(planned, fewer, "data/cache/manifest.json")
+    finally:
+        fill.abort()
+    assert not list((rt / "data" / "cache.zarr").glob("parts/p*"))  # nothing was computed before an order came
+
+
+# ---- the stages, killed -----------------------------------------------------------------------------
+
+def stage_dir(root: Path, target: Path, **train) -> Path:
+    work = workdir(root, target)
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["layers"] = LAYERS
+    params["cache"].update(CACHE)
+    params["train"] = {**TRAIN, "capture": "read-through", **train}
+    (work / "params.yaml").write_text(yaml.safe_dump(params))
+    return work
+
+
+def run_stage(work: Path, name: str, env: dict) -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "stages" / f"{name}.py")], cwd=work, env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_read_through_run_at_random_moments_loses_nothing_and_trains_the_same_draft(tmp_path,
+                                                                                                 trained_target):
+    env = project_env(REPO, DEEPSPEC_LOG="WARNING")
+    clean = stage_dir(tmp_path / "clean", trained_target, steps=60)
+    run_stage(clean, "cache", env)
+    assert json.loads((clean / "data" / "cache" / "report.json").read_text())["mode"] == "planned"
+    run_stage(clean, "train", env)
+    crash = stage_dir(tmp_path / "crash", trained_target, steps=60)
+    run_stage(crash, "cache", env)
+    assert not list((crash / "data" / "cache.zarr").glob("parts/p*"))  # the plan computes nothing
+    store = crash / "data" / "cache.zarr"
+    state = crash / "data" / "train_state"
+    rng = random.Random(int(os.environ.get("DEEPSPEC_TEST_SEED", "0")))
+    from deepspec.cache.backends.readers import open_cache
+
+    def committed() -> int:
+        return len(open_cache(str(store)).committed_parts()) if (store / "zarr.json").exists() else 0
+
+    # first while the first parts are written, then in the middle of training (after a checkpoint)
+    moments = [lambda: committed() >= 1, lambda: state.exists() and any(state.glob("ckpt-*/meta.json"))]
+    kept = []
+    for ready in moments:
+        proc = subprocess.Popen([sys.executable, str(REPO / "stages" / "train.py")], cwd=crash, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 300
+        while time.time() < deadline and not ready():
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.3))
+        assert proc.poll() is None, "the run ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        kept.append(committed())
+    assert 0 < kept[0] <= kept[1]
+    run_stage(crash, "train", env)
+    final = json.loads((crash / "data" / "train" / "metrics.json").read_text())
+    parts = json.loads((clean / "data" / "train" / "metrics.json").read_text())["parts_computed"]
+    # the rerun kept every part committed before the last kill and computed the others once
+    assert final["parts_kept"] == kept[-1] and final["parts_kept"] + final["parts_computed"] == parts
+    assert same_weights(clean / "data" / "draft", crash / "data" / "draft")
+    assert store_files(str(clean / "data" / "cache.zarr")) == store_files(str(store))
