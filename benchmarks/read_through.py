@@ -154,8 +154,8 @@ def bench(kind: str, target: Path, root: Path, size: dict, args, device, clock) 
     rt_cache = dataclasses.replace(cache, url=str(work / "read_through.zarr"))
     t0 = clock.now()
     # as dvc repro runs it: the cache stage plans, then the train stage fills while it trains
-    recorded = plan_cache(rt_cache, layers, regen, target, device)["manifest"]
-    fill = StoreFill(rt_cache, layers, regen, target, device)
+    recorded = plan_cache(rt_cache, layers, regen, target, device, keep_index=work / "index.npz")["manifest"]
+    fill = StoreFill(rt_cache, layers, regen, target, device, index_from=work / "index.npz")
     check_plan(fill.plan(), recorded, "the plan")
     res["read_through"] = train(work, "read_through", dataclasses.replace(cfg, capture="read-through"), layers,
                                 target, device, clock, t0, fill=fill)

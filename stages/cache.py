@@ -19,6 +19,9 @@ from deepspec.io import write_json
 from deepspec.stage import StageError, configure_threads, run_stage
 
 
+KEPT_INDEX = "data/cache/index.npz"  # the read-through plan's index of the input, for the train stage
+
+
 def split_timings(report: dict) -> dict:
     """Remove the wall-clock fields (and how the rows were shared among ranks) from the build report,
     in place, and return them: the report is a function of the input, the metrics of the run."""
@@ -29,13 +32,18 @@ def split_timings(report: dict) -> dict:
     return times
 
 
-def plan_only(params, device) -> None:
-    """train.capture: read-through: the plan and nothing else (the train stage writes the parts)."""
+def plan_only(params, d) -> None:
+    """train.capture: read-through: the plan and nothing else (the train stage writes the parts). Every
+    rank indexes its share of the input; rank 0 writes the outputs and keeps the index for train
+    (data/cache/index.npz: not a DVC output, a train stage without it indexes the input itself)."""
     cfg = params.cache
     try:
-        report = plan_cache(cfg, params.layers, Path("data/regen/train.jsonl"), Path("data/target"), device)
+        report = plan_cache(cfg, params.layers, Path("data/regen/train.jsonl"), Path("data/target"), d.device,
+                            d.rank, d.world, d.gather, keep_index=Path(KEPT_INDEX))
     except CacheFormatError as e:
         raise StageError(str(e)) from None
+    if d.rank != 0:
+        return
     manifest = report.pop("manifest")
     if not is_remote(manifest["url"]):
         # the DVC output exists from the plan on; the train stage fills it
@@ -54,8 +62,7 @@ def main(params):
     configure_threads(cfg.threads)
     if params.train.capture == "read-through":
         with launch(cfg.collective_timeout_s) as d:
-            if d.rank == 0:
-                plan_only(params, d.device)
+            plan_only(params, d)
         return
     with launch(cfg.collective_timeout_s) as d:
         try:

@@ -42,7 +42,7 @@ def main(params):
                                      "train on several ranks offline, from the store the cache stage builds")
                 # the cache stage planned the store; this stage writes its parts as it trains on them
                 fill = StoreFill(params.cache, params.layers, Path("data/regen/train.jsonl"), Path("data/target"),
-                                 d.device)
+                                 d.device, index_from=Path("data/cache/index.npz"))  # the cache stage's, if current
                 try:
                     check_plan(fill.plan(), recorded, "data/cache/manifest.json")
                 except BaseException:

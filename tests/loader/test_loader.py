@@ -233,6 +233,7 @@ def test_a_window_of_parts_is_read_before_the_next_and_every_sample_once(window)
             if p not in seen:
                 seen.add(p)
                 windows.append(p)
+        assert s.part_order(epoch) == windows  # what a read-through run computes the parts in
         groups = [set(windows[w:w + window]) for w in range(0, len(windows), window)]
         at = 0
         for group in groups:  # all samples of one window come before any of the next
@@ -243,6 +244,15 @@ def test_a_window_of_parts_is_read_before_the_next_and_every_sample_once(window)
     assert ResumableBatchSampler(LENGTHS, batch_size=4, seed=5, parts=PARTS, window_parts=window).batches(0) == s.batches(0)
     with pytest.raises(ValueError, match="window_parts=2 needs the part"):
         ResumableBatchSampler(LENGTHS, window_parts=2)
+
+
+def test_the_gate_sees_each_batch_before_it_is_handed_out():
+    s = ResumableBatchSampler(LENGTHS, batch_size=4, seed=5, parts=PARTS, window_parts=3)
+    gated, handed = [], []
+    s.gate = lambda batch: gated.append((list(batch), len(handed)))
+    for batch in s:
+        handed.append(batch)
+    assert [b for b, _ in gated] == handed and [n for _, n in gated] == list(range(len(handed)))
 
 
 @pytest.mark.parametrize("kw", [dict(batch_size=5), dict(batch_size=4, token_budget=600, group_by_length=True),

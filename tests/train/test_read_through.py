@@ -179,6 +179,44 @@ def test_the_plan_is_the_cache_stages_and_another_one_is_refused(tmp_path, train
     assert not list((rt / "data" / "cache.zarr").glob("parts/p*"))  # nothing was computed before an order came
 
 
+def test_the_fill_plans_from_the_index_the_cache_stage_kept_when_it_is_of_this_very_input(tmp_path, trained_target,
+                                                                                         monkeypatch):
+    from deepspec.cache.build import stage
+    from deepspec.cache.build.regen_rows import EncodeRules, index_key, load_index
+
+    rt = workdir(tmp_path, trained_target)
+    regen, target = rt / "data" / "regen" / "train.jsonl", rt / "data" / "target"
+    cfg = CacheConfig(url=str(rt / "data" / "cache.zarr"), **CACHE)
+    kept = rt / "data" / "cache" / "index.npz"
+    recorded = plan_cache(cfg, LAYERS, regen, target, keep_index=kept)["manifest"]
+    indexed = []
+    real = stage.index_input
+    monkeypatch.setattr(stage, "index_input", lambda *a, **kw: indexed.append(1) or real(*a, **kw))
+
+    def planned_names(**kw) -> list[str]:
+        fill = StoreFill(cfg, LAYERS, regen, target, **kw)
+        try:
+            planned = fill.plan()
+            check_plan(planned, recorded, "data/cache/manifest.json")
+            return planned.names
+        finally:
+            fill.abort()
+
+    assert planned_names(index_from=kept) == [p["name"] for p in recorded["parts"]] and indexed == []
+    # another input (a row more), other encode rules, or an unreadable file: the fill indexes the input itself
+    from deepspec.models.target import load_identity
+
+    ident = load_identity(target)
+    assert load_index(kept, regen, index_key(regen, EncodeRules(max_length=cfg.max_length - 1), ident)) is None
+    kept.write_bytes(b"not an index")
+    assert planned_names(index_from=kept) == [p["name"] for p in recorded["parts"]] and len(indexed) == 1
+    plan_cache(cfg, LAYERS, regen, target, keep_index=kept)
+    with open(regen, "a") as f:
+        f.write(json.dumps({"id": f"{999:016x}", "conversations": [{"role": "user", "content": "What is 1 plus 1?"},
+                                                                   {"role": "assistant", "content": "2."}]}) + "\n")
+    assert load_index(kept, regen, index_key(regen, EncodeRules.of(cfg), ident)) is None
+
+
 # ---- the stages, killed -----------------------------------------------------------------------------
 
 def stage_dir(root: Path, target: Path, **train) -> Path:

@@ -203,6 +203,49 @@ def index_regen(tokenizer, path, rules: EncodeRules) -> RowIndex:
     return merge_shares(path, [index_share(tokenizer, path, rules)])
 
 
+def index_key(path, rules: EncodeRules, target: dict) -> str:
+    """What a RowIndex is a function of: the regen file's bytes, the encode rules, and the target's
+    tokenizer and chat template (models.target.identity's hashes of them)."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16, person=b"deepspec-index")
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    h.update(json.dumps([rules.max_length, rules.overlong, rules.truncated, target.get("tokenizer_sha256"),
+                         target.get("chat_template_sha256")]).encode())
+    return h.hexdigest()
+
+
+def save_index(index: RowIndex, dest, key: str) -> None:
+    """Keep `index` (of the input `key` names, index_key) for a later process: one .npz file, replaced
+    atomically."""
+    from deepspec.io import atomic_open
+
+    meta = json.dumps({"key": key, "rows": index.rows, "dropped": index.dropped, "adjusted": index.adjusted})
+    with atomic_open(dest, "wb", encoding=None) as f:
+        np.savez(f, sample_ids=index.sample_ids, lengths=index.lengths, offsets=index.offsets, lines=index.lines,
+                 keys=index.keys, meta=np.frombuffer(meta.encode(), np.uint8))
+
+
+def load_index(src, path, key: str) -> RowIndex | None:
+    """The RowIndex save_index kept at `src` for the regen file `path`, if it was made from exactly the
+    input `key` names; else None (missing, another input, unreadable): the caller indexes the file."""
+    try:
+        with np.load(src) as z:
+            meta = json.loads(z["meta"].tobytes())
+            arrays = {k: z[k] for k in ("sample_ids", "lengths", "offsets", "lines", "keys")}
+    except (OSError, ValueError, KeyError, EOFError):
+        return None
+    n = len(arrays["sample_ids"])
+    if meta.get("key") != key or any(len(a) != n for a in arrays.values()) or arrays["keys"].shape != (n, 2):
+        return None
+    return RowIndex(str(path), int(meta["rows"]), arrays["sample_ids"].astype(np.uint64),
+                    arrays["lengths"].astype(np.int64), arrays["offsets"].astype(np.int64),
+                    arrays["lines"].astype(np.int64), list(meta["dropped"]), arrays["keys"].astype(np.uint64),
+                    dict(meta["adjusted"]))
+
+
 def load_samples(tokenizer, index: RowIndex, rows: np.ndarray, rules: EncodeRules) -> list[Sample]:
     """Re-read and tokenise the rows `rows` (positions in `index`) of the regen file."""
     samples = []

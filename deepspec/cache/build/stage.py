@@ -29,8 +29,8 @@ from deepspec.cache.write.lease import new_run_id
 from deepspec.cache.storage.urls import is_remote
 from deepspec.cache.storage.naming import check_lake, store_url
 from deepspec.cache.write.part_data import PartData
-from deepspec.cache.build.regen_rows import (EncodeRules, RowIndex, Sample, index_share, line_ranges, merge_shares,
-                                       part_samples)
+from deepspec.cache.build.regen_rows import (EncodeRules, RowIndex, Sample, index_key, index_share, line_ranges,
+                                             load_index, merge_shares, part_samples, save_index)
 from deepspec.cache.write.writer import CacheWriter
 from deepspec.config import CacheConfig
 from deepspec.devices import HostCopies
@@ -207,17 +207,19 @@ class FillHooks:
 
 def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir: Path,
                 rank: int = 0, world: int = 1, device: torch.device | None = None,
-                prune_stale: bool | None = None, share=None, gather=None, hooks: FillHooks | None = None) -> dict:
+                prune_stale: bool | None = None, share=None, gather=None, hooks: FillHooks | None = None,
+                index_from: Path | None = None) -> dict:
     """Compute and write every missing part of the store for `cfg.url` (store.store_url: the path
     itself, or `<lake>/<store key>` on a remote URL); returns the stage report (rank 0's view,
     `report["url"]` is the store written). Multi-rank: `share(value)` returns rank 0's value on every
     rank (the job's lease run id, the derivation, the store snapshot) and `gather(value)` every rank's
     value, in rank order, on every rank (the index shares, the counts); both also synchronise the ranks.
-    `hooks` (one rank only): a read-through run's view of the build (FillHooks)."""
+    `hooks` (one rank only): a read-through run's view of the build (FillHooks). `index_from` (one rank
+    only): a RowIndex plan_cache kept, used when it was made from this very input."""
     from deepspec.cache.build.derive import Derivation, follow, prepare
 
-    if hooks is not None and world > 1:
-        raise ValueError("a build with fill hooks runs on one rank")
+    if (hooks is not None or index_from is not None) and world > 1:
+        raise ValueError("a build with fill hooks or a kept index runs on one rank")
 
     t0 = time.time()
     device = device or torch.device("cpu")
@@ -265,8 +267,13 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
             if rank > 0:
                 derivation = follow(url, plan, cfg.storage_options, manifest)
                 writer = CacheWriter(derivation.write_url, manifest, cfg.storage_options, rank=rank, run_id=run_id)
+        index = None
+        if index_from is not None:
+            index = load_index(index_from, regen_path, index_key(regen_path, EncodeRules.of(cfg), ident))
+            log.info("cache: %s", f"the input's index kept at {index_from}" if index is not None else
+                     f"no index of this input at {index_from}: indexing {regen_path}")
         report = _build(writer, cfg, layers, regen_path, ident, tokenizer, get_model, pad_id, device,
-                        rank, world, share, gather, derivation.source, hooks or FillHooks())
+                        rank, world, share, gather, derivation.source, hooks or FillHooks(), index)
         writer.release()
         derivation.finish()  # a local in-place derive: the new store takes the old one's place
     except BaseException:
@@ -322,17 +329,22 @@ def input_report(index: RowIndex, shares) -> dict:
 
 
 def plan_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir: Path,
-               device: torch.device | None = None) -> dict:
+               device: torch.device | None = None, rank: int = 0, world: int = 1, gather=None,
+               keep_index: Path | None = None) -> dict:
     """The cache stage when training fills the store (train.capture: read-through): the plan alone,
-    computed as build_cache computes it, and nothing read or written in any store. The report's
-    `manifest` is planned_manifest's (plus `url`): what the read-through run checks its own plan
-    against before it writes a part."""
+    computed as build_cache computes it (the regen file indexed by every rank, `gather` as there), and
+    nothing read or written in any store. The report's `manifest` is planned_manifest's (plus `url`):
+    what the read-through run checks its own plan against before it writes a part. `keep_index`: where
+    rank 0 keeps the input's RowIndex (regen_rows.save_index), so that the read-through run plans
+    without tokenising the whole input again."""
     device = device or torch.device("cpu")
     ident = load_identity(target_dir)
     check_layers(layers, ident["num_layers"])
     manifest = cache_manifest(cfg, layers, ident, compute_of(cfg, target_dir, device))
-    index, shares = index_input(load_tokenizer(target_dir), regen_path, cfg)
+    index, shares = index_input(load_tokenizer(target_dir), regen_path, cfg, rank, world, gather)
     check_not_empty(index, regen_path)
+    if keep_index is not None and rank == 0:
+        save_index(index, keep_index, index_key(regen_path, EncodeRules.of(cfg), ident))
     plan = plan_store(index, part_tokens_for(cfg, ident["hidden_size"]))
     planned, _ = planned_manifest(manifest, index, plan)
     report = input_report(index, shares)
@@ -342,11 +354,13 @@ def plan_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir
 
 def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path: Path, ident: dict, tokenizer,
            get_model, pad_id: int, device: torch.device, rank: int, world: int, share, gather,
-           source=None, hooks: FillHooks = FillHooks()) -> dict:
+           source=None, hooks: FillHooks = FillHooks(), index: RowIndex | None = None) -> dict:
     """Write every planned part the store lacks: taken from `source` (deepspec.cache.build.derive) when it
     holds a part of the same content, else computed with the target; then list exactly the planned
-    parts."""
-    index, shares = index_input(tokenizer, regen_path, cfg, rank, world, gather)
+    parts. `index`: the input's RowIndex when already known (else the ranks index the regen file)."""
+    shares = []
+    if index is None:
+        index, shares = index_input(tokenizer, regen_path, cfg, rank, world, gather)
     plan = plan_store(index, part_tokens_for(cfg, ident["hidden_size"]))
     # the parts the store has, and those of the rest the source holds (derived, not computed)
     records = writer.committed_parts() if rank == 0 else {}
