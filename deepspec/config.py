@@ -44,13 +44,11 @@ class SplitConfig:
     seed: Annotated[Int, Field(ge=0)] = 0
     test_fraction: Annotated[Float, Field(ge=0.0, lt=1.0)] = 0.05
     hf_split: Str = "train"
-    # more rejected rows than this fraction of those read fails the stage: a source in the wrong
-    # format must not pass as a small dataset
+    # more rejected rows than this fraction of those read fails the stage (a wrong format is no small dataset)
     max_reject_fraction: Annotated[Float, Field(ge=0.0, le=1.0)] = 0.5
     # a conversation that opens with an assistant turn: drop that turn, or reject the row
     leading_assistant: Literal["drop_turn", "reject"] = "drop_turn"
-    # a source file that ends part-way (a download that stopped): fail, or keep the whole rows before
-    # the cut (the report says where it was cut)
+    # a source file that ends part-way (a stopped download): fail, or keep the whole rows before the cut (reported)
     truncated_source: Literal["fail", "keep"] = "fail"
 
 
@@ -197,12 +195,10 @@ class TrainConfig:
     # credentials come from the environment, as for the cache)
     state_url: Str = ""
     state_storage_options: dict[Str, Any] = field(default_factory=dict)
-    # 0: each epoch a random order of all samples; W: the cache's parts in a random order, W at a time,
-    # the samples of each W parts in a random order (what a mirror of a store too large for local disk needs)
+    # 0: each epoch a random order of all samples; W: the parts in a random order W at a time, samples
+    # shuffled within (a mirror of a store too large for local disk; a read-through run's first steps)
     window_parts: Annotated[Int, Field(ge=0)] = 0
-    # offline: read the store the cache stage built. read-through: the cache stage only plans, and this
-    # stage writes the store's parts (deepspec/cache/build/fill.py) in the order it first reads them,
-    # training from its first window on; parts the store holds are read, never computed again
+    # read-through: the cache stage only plans; train writes each part before it first reads it (fill.py)
     capture: Literal["offline", "read-through"] = "offline"
     seed: Annotated[Int, Field(ge=0)] = 0
     threads: Annotated[Int, Field(ge=0)] = 0
