@@ -14,6 +14,7 @@ derive writes next to the store and swaps the two at the end.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,7 +164,7 @@ class StoreFill(FillHooks):
         """The store's plan (blocks while the regen file is indexed; raises what the build raised)."""
         self._plan_ready.wait()
         if self._planned is None:
-            if isinstance(self._error, CacheFormatError) and not isinstance(self._error, _Stopped):
+            if isinstance(self._error, CacheFormatError):  # the input's own error (an empty input, a bad row)
                 raise self._error
             raise self._failure("planning the store")
         return self._planned
@@ -179,8 +180,6 @@ class StoreFill(FillHooks):
 
     def wait(self, names) -> None:
         """Block until every part named is committed; raises FillError if the capture failed first."""
-        import time
-
         t0 = time.perf_counter()
         with self._cond:
             for name in names:
