@@ -1,6 +1,7 @@
 """Cache writing, measured side by side in one run on real activations of the embedded target.
 
     python benchmarks/cache_write.py [--target data/target] [--rows 600] [--repeat 8]
+    python benchmarks/cache_write.py --parts [--widths 128,2560] [--part-tokens 16384] [--code DIR]
 
 Prints
   1. writer MB/s vs raw numpy.memmap writes of the same bytes (ratio),
@@ -8,6 +9,15 @@ Prints
      8-bit modes' error on these activations (fp8 e4m3 and int8 absmax, per-token scale),
   3. cache-stage wall time vs forward-only time over the same rows (overlap ratio; goal <= 1.10).
 Needs data/target and data/regen/train.jsonl (run `make repro` first).
+
+`--parts` measures the streamed writer alone, as the cache stage and a read-through run feed it
+(CacheWriter.submit of a part's batches; the writer thread encodes, checksums, writes, fsyncs and
+commits), on synthetic bf16 bits of each width (5 layers and the last state, 512-token samples):
+ms per part and GB/s of state bytes, beside plain files of the same bytes (one file per array,
+written in 256 KB pieces, the fastest size on the VM this was written on, and fsynced at the end of
+each part: no chunks, checksums, metadata, commit or early writeback). With
+`--code DIR` the writer of another checkout (e.g. a worktree of the previous commit) runs too,
+interleaved, each in a fresh process; the page cache is synced before every run.
 """
 from __future__ import annotations
 
@@ -99,14 +109,104 @@ def quant_error(x: torch.Tensor) -> dict:
     return out
 
 
+PART_LAYERS = [1, 9, 17, 25, 33]
+
+
+def parts_child(width: int, part_tokens: int, parts: int, batch: int, raw: bool) -> dict:
+    """One run of --parts in this process: the writer (of whichever checkout is on sys.path), or
+    plain files."""
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 1 << 16, (batch, width), dtype=np.uint16)
+    arrays = [*PART_LAYERS, "last"]
+    n = part_tokens // 512
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        t0 = time.perf_counter()
+        if raw:
+            for p in range(parts):
+                files = [open(Path(tmp) / f"p{p}-{a}", "xb") for a in arrays]
+                for _ in range(part_tokens // batch):
+                    for f in files:
+                        view = memoryview(bits).cast("B")
+                        for a in range(0, len(view), 1 << 18):
+                            f.write(view[a:a + (1 << 18)])
+                for f in files:
+                    f.flush()
+                    os.fsync(f.fileno())
+                    f.close()
+        else:
+            from deepspec.cache.write.writer import CacheWriter
+
+            man = {"target": {"id": "bench", "hidden_size": width}, "layers": PART_LAYERS, "dtype": "bfloat16",
+                   "codec": "none", "max_length": 1024, "chunk_tokens": 64, "hidden_size": width}
+            writer = CacheWriter(str(Path(tmp) / "s.zarr"), man)
+            for p in range(parts):
+                lengths = np.full(n, 512, np.int64)
+                tokens = int(lengths.sum())
+                batches = ({a: (bits, None) for a in arrays} for _ in range(tokens // batch))
+                writer.submit(PartData(None, np.arange(p * n, (p + 1) * n, dtype=np.uint64), lengths,
+                                       rng.integers(0, 1000, tokens).astype(np.int32), np.ones(tokens, np.uint8),
+                                       batches=batches))
+            writer.close(consolidate=False)
+            writer.release()
+        elapsed = time.perf_counter() - t0
+    gb = parts * part_tokens * width * 2 * len(arrays) / 1e9
+    return {"ms_per_part": round(elapsed / parts * 1e3, 1), "GB_s": round(gb / elapsed, 3)}
+
+
+def parts_bench(args) -> None:
+    import statistics
+    import subprocess
+    import sys
+
+    here = Path(__file__).resolve()
+    codes = [("this", here.parents[1])] + ([("--code", Path(args.code).resolve())] if args.code else [])
+    rows = []
+    for width in [int(w) for w in args.widths.split(",")]:
+        parts = max(4, min(24, (2 << 30) // (args.part_tokens * width * 12)))  # about 2 GB a run at most
+        got: dict = {}
+        for rep in range(args.repeats):
+            for name, code in [*codes, ("plain files", None)]:
+                os.sync()
+                cmd = [sys.executable, str(here), "--parts-child", str(width), str(args.part_tokens), str(parts)]
+                if code is None:
+                    cmd.append("--raw")
+                env = dict(os.environ, PYTHONPATH=str(code or here.parents[1]))
+                out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, cwd=code or here.parents[1])
+                row = json.loads(out.stdout.strip().splitlines()[-1])
+                got.setdefault(name, []).append(row)
+                print(json.dumps({"width": width, "repeat": rep, "writer": name, **row}), flush=True)
+        floor = statistics.median(r["ms_per_part"] for r in got["plain files"])
+        for name, runs in got.items():
+            ms = statistics.median(r["ms_per_part"] for r in runs)
+            rows.append((width, parts, name, ms, statistics.median(r["GB_s"] for r in runs), ms / floor))
+    print(f"\nstreamed parts of {args.part_tokens} tokens (5 layers + last, bf16), median of {args.repeats} interleaved runs")
+    print(f"{'width':>6} {'parts':>5}  {'writer':<11} {'ms/part':>8} {'GB/s':>6} {'vs plain':>8}")
+    for width, parts, name, ms, gbs, ratio in rows:
+        print(f"{width:>6} {parts:>5}  {name:<11} {ms:>8.1f} {gbs:>6.2f} {ratio:>7.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", action="store_true", help="the streamed writer per part, beside plain files")
+    ap.add_argument("--widths", default="128,2560")
+    ap.add_argument("--part-tokens", type=int, default=16384)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--code", help="with --parts: also the writer of this checkout")
+    ap.add_argument("--parts-child", nargs=3, type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--target", default="data/target")
     ap.add_argument("--regen", default="data/regen/train.jsonl")
     ap.add_argument("--rows", type=int, default=600)
     ap.add_argument("--repeat", type=int, default=8, help="tile the real activations to this many copies")
     ap.add_argument("--layers", default="", help="comma-separated layer ids (default 1,9,17,25,33)")
     args = ap.parse_args()
+    if args.parts_child:
+        width, part_tokens, parts = args.parts_child
+        print(json.dumps(parts_child(width, part_tokens, parts, 4096, args.raw)))
+        return
+    if args.parts:
+        parts_bench(args)
+        return
     if args.layers:
         LAYERS[:] = [int(x) for x in args.layers.split(",")]
     torch.set_num_threads(max(1, os.cpu_count() or 1))

@@ -230,8 +230,8 @@ def test_an_s3_shard_larger_than_an_upload_block_is_a_create_only_multipart_uplo
 
 
 def test_an_interrupted_writer_resumes_to_a_byte_identical_store(where, tmp_path):
-    """A writer that dies right before committing its third part (the last lease check) leaves the
-    store as it was (no part listed); the rerun writes the rest and the store equals an
+    """A writer that dies right before committing its third part (its arrays all written) leaves
+    the store as it was (no part listed); the rerun writes the rest and the store equals an
     uninterrupted build."""
     kind, url, options = where
     parts = [make_part(f"p{i:06d}", i + 1) for i in range(4)]
@@ -239,15 +239,18 @@ def test_an_interrupted_writer_resumes_to_a_byte_identical_store(where, tmp_path
     write(clean, parts)
 
     w = CacheWriter(url, manifest(kind), options)
-    real, calls = w.lease.check, []
+    real, written = w.store.write_part_deferred, []
 
-    def dying():
-        calls.append(1)
-        if len(calls) == 6:  # the third part's commit (per part: start, commit; the root is not touched)
-            raise KeyboardInterrupt("killed")
-        return real()
+    def deferred(name, *args, **kw):
+        commit = real(name, *args, **kw)
+        written.append(name)
+        if len(written) == 3:
+            def dying():
+                raise KeyboardInterrupt("killed")
+            return dying
+        return commit
 
-    w.lease.check = dying
+    w.store.write_part_deferred = deferred
     for p in parts:
         w.submit(p)
     with pytest.raises(CacheFormatError, match="killed"):
@@ -261,6 +264,41 @@ def test_an_interrupted_writer_resumes_to_a_byte_identical_store(where, tmp_path
         for p in parts[2:]:
             w.submit(p)
     assert files(url, options) == files(url + "-clean", options)
+    expect_equal(CacheReader(url, options), parts)
+
+
+def test_commits_run_in_order_and_none_after_one_that_failed(where):
+    """Parts are committed on their own thread, behind the writes: in submission order, and a
+    failed commit (an I/O error) keeps the parts committed before it and commits none after it
+    (they leave nothing the next open does not prune)."""
+    kind, url, options = where
+    parts = [make_part(f"p{i:06d}", i + 1) for i in range(4)]
+    w = CacheWriter(url, manifest(kind), options)
+    real, order = w.store.write_part_deferred, []
+
+    def deferred(name, *args, **kw):
+        commit = real(name, *args, **kw)
+
+        def failing():
+            order.append(name)
+            if name == "p000001":
+                raise OSError(5, "Input/output error")
+            return commit()
+        failing.discard = getattr(commit, "discard", lambda: None)
+        return failing
+
+    w.store.write_part_deferred = deferred
+    with pytest.raises(CacheFormatError, match="Input/output error"):
+        for p in parts:
+            w.submit(p)
+        w.close()
+    w.abort()
+    w.release()
+    assert order == ["p000000", "p000001"]
+    with CacheWriter(url, manifest(kind), options) as w:
+        assert sorted(w.committed_parts()) == ["p000000"]
+        for p in parts[1:]:
+            w.submit(p)
     expect_equal(CacheReader(url, options), parts)
 
 

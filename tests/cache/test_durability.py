@@ -167,3 +167,26 @@ def test_a_directory_that_is_not_a_cache_is_refused_and_left_alone(tmp_path):
         with pytest.raises(CacheFormatError, match="is not a deepspec cache"):
             CacheWriter(str(d), MANIFEST)
         assert store_files(str(d)) == before  # nothing created, nothing deleted (the lock file included)
+
+
+def test_shards_flushed_ahead_while_written_equal_a_build_without(tmp_path, trained_target, clean_store, monkeypatch):
+    """With writeback started every few KB of a shard (FlushAhead on the fsync pool, racing the
+    writer's next writes), each flush meets the shard's open descriptor, and the store's files
+    equal those of a build that flushed only before each commit."""
+    from deepspec.cache.storage import durable
+
+    flushed = []
+    real_fdatasync = os.fdatasync
+
+    def fdatasync(fd):  # on a pool thread: a descriptor closed before its flush ran fails the build here
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fdatasync(fd)
+
+    monkeypatch.setattr(durable.FlushAhead, "EVERY", 4096)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    work = workdir(tmp_path, trained_target, regen_rows(30))
+    build(work, part_tokens=200)
+    url = str(work / "data" / "cache.zarr")
+    assert flushed and all("/hidden" in p or "/last" in p for p in flushed)
+    assert array_hashes(url) == array_hashes(clean_store)
+    assert verify(url)["ok"]

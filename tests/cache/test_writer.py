@@ -38,14 +38,45 @@ def test_encoded_shard_equals_zarr_python(tmp_path, dtype, shape, chunk, codec):
     assert int.from_bytes(table[-4:], "little") == crc32c(table[:-4])
 
 
+@pytest.mark.parametrize("dtype, shape, chunk", [("uint16", (203, 24), 16), ("int32", (1500,), 1024),
+                                                 ("uint8", (64, 8), 64), ("uint64", (3, 2), 3), ("float32", (0,), 1024)])
+@pytest.mark.parametrize("codec", ["none", "blosc-zstd"])
+@pytest.mark.parametrize("name", ["a", "hidden/9"])
+def test_array_metadata_equals_what_zarr_python_writes(tmp_path, dtype, shape, chunk, codec, name):
+    """A local writer writes each array's metadata itself: byte for byte the files zarr-python's
+    create_array writes for the same array (a nested one's parent group too), created the way the
+    writer once created it."""
+    from deepspec.cache.backends.base import ArraySpec
+    from deepspec.cache.backends.zarr.write import create_array_files
+    from deepspec.cache.spec.format import CHUNK_CRC32C
+
+    codecs = inner_codecs(codec, np.dtype(dtype).itemsize)
+    chunks = (min(chunk, max(shape[0], 1)),) + shape[1:]
+    shards = (-(-max(shape[0], 1) // chunks[0]) * chunks[0],) + shape[1:]
+    group = zarr.open_group(str(tmp_path / "theirs"), mode="a", zarr_format=3)
+    group.create_array(name, shape=shape, dtype=dtype, chunks=chunks, shards=shards, serializer=codecs[0],
+                       compressors=codecs[1:], fill_value=0, config={"write_empty_chunks": True},
+                       attributes={CHUNK_CRC32C: "table"} if crc_table(codec) else None)
+    zarr.open_group(str(tmp_path / "ours"), mode="a", zarr_format=3)
+    create_array_files(tmp_path / "ours", ArraySpec(name, None, chunk, codec, shape, np.dtype(dtype)))
+
+    def files(root):
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+    assert files(tmp_path / "ours") == files(tmp_path / "theirs")
+
+
+@pytest.mark.parametrize("run_bytes", [1 << 20, 2000])
 @pytest.mark.parametrize("codec", ["none", "blosc-lz4"])
-def test_a_shard_appended_in_uneven_batches_equals_the_shard_encoded_whole(codec):
+def test_a_shard_appended_in_uneven_batches_equals_the_shard_encoded_whole(codec, run_bytes, monkeypatch):
     """The streamed writer's appender holds less than a chunk between batches; the shard it writes
     is the one encoded from all rows at once, whatever the batch boundaries."""
     import io
 
+    from deepspec.cache.backends.zarr import shard as shard_module
     from deepspec.cache.backends.zarr.shard import ShardAppender
 
+    monkeypatch.setattr(shard_module, "RUN_BYTES", run_bytes)  # 2000: whole chunks written two at a time
     rng = np.random.default_rng(1)
     data = rng.integers(0, 1 << 16, size=(203, 24)).astype("uint16")
     for cuts in ([], [1], [15, 16, 17], [5, 40, 41, 190], list(range(1, 203))):

@@ -248,6 +248,16 @@ class WritableStore(CacheStore):
         arrays it keeps from its source there (Zarr only; other backends refuse it). The rows of the
         arrays without `data` come from `feed`, an iterable of {array name: rows}, in order."""
 
+    def write_part_deferred(self, name: str, arrays: list[ArraySpec], attrs: dict, rank: int, lease,
+                            before=None, feed=None):
+        """write_part in two steps: every array is written now; the returned call makes the part
+        durable, checks the lease and commits it, returning its PartEntry (the writer runs it on
+        another thread while the next part is written); its `discard()`, where it has one, drops
+        what the first step wrote when the commit will not run. A backend without the split does
+        all of it in the first step."""
+        entry = self.write_part(name, arrays, attrs, rank, lease, before=before, feed=feed)
+        return lambda: entry
+
 
 @dataclass
 class PartRows:

@@ -48,10 +48,9 @@ class CacheWriter:
     local stores only), else refused.
 
     Parts are named by their content (format.part_name) and added beside the parts the root lists;
-    readers keep seeing the root's parts until `write_manifest` switches the root to a new list, in
-    one write. On a local store that switch also deletes the committed parts and index objects the
-    new root does not list, so the store holds exactly its manifest; a store on S3 keeps them (a
-    pool other experiments' manifests may point into; they cost no reads)."""
+    readers see the root's parts until `write_manifest` switches the root to a new list in one
+    write, which on a local store also deletes the committed parts and index objects the new root
+    does not list; a store on S3 keeps them (other experiments' manifests may point into them)."""
 
     def __init__(self, url: str, manifest: dict, storage_options: dict | None = None,
                  queue_size: int = 2, rank: int = 0, prune_stale: bool | None = None, run_id: str | None = None,
@@ -92,8 +91,7 @@ class CacheWriter:
         self._feeds: list[PartFeed] = []  # streamed parts not yet written
         self._error: BaseException | None = None
         self._closed = False
-        # called with a part's name on the writer thread once the part is committed (a read-through
-        # run's trainer may read it from then on)
+        # called with a part's name (commit thread) once it is committed: a read-through run reads it
         self.on_commit = None
         self._thread = threading.Thread(target=self._run, name="cache-writer", daemon=True)
         self._thread.start()
@@ -271,18 +269,39 @@ class CacheWriter:
             raise CacheFormatError(f"{self.url}: writing a part failed: {self._error}") from self._error
 
     def _run(self) -> None:
-        while (part := self._queue.get()) is not None:
-            if self._error is not None:
-                continue
+        """Writes parts in order; each is made durable and committed on a second thread while the
+        next is written (fsyncs cost as much as writing a narrow part: benchmarks/cache_write.py
+        --parts); in order, none after a failed commit, a fully written one despite a later failure."""
+        commits: queue.Queue = queue.Queue(maxsize=1)
+        committer = threading.Thread(target=self._commit_loop, args=(commits,), name="cache-commit", daemon=True)
+        committer.start()
+        try:
+            while (part := self._queue.get()) is not None:
+                if self._error is not None:
+                    continue
+                try:
+                    commits.put(self._write(part))
+                except BaseException as e:  # surfaced to the producer on its next submit/close/put
+                    self._error = e
+                finally:
+                    if part.feed is not None:
+                        self._feeds.remove(part.feed)
+        finally:
+            commits.put(None)
+            committer.join()
+
+    def _commit_loop(self, commits: queue.Queue) -> None:
+        failed = False
+        while (item := commits.get()) is not None:
             try:
-                self.write_part(part)
+                if failed:
+                    getattr(item[2], "discard", lambda: None)()
+                    continue
+                self._commit(*item)
                 if self.on_commit is not None:
-                    self.on_commit(part.name)
-            except BaseException as e:  # surfaced to the producer on its next submit/close/put
-                self._error = e
-            finally:
-                if part.feed is not None:
-                    self._feeds.remove(part.feed)
+                    self.on_commit(item[0].name)
+            except BaseException as e:
+                failed, self._error = True, self._error or e
 
     def part_specs(self, part: PartData) -> list[ArraySpec]:
         """Every array of a part, in format.part_arrays order, with its chunking and codec."""
@@ -311,6 +330,10 @@ class CacheWriter:
         return specs
 
     def write_part(self, part: PartData) -> None:
+        """Write and commit one part, in this thread."""
+        self._commit(*self._write(part))
+
+    def _write(self, part: PartData) -> tuple:
         self.lease.check()
         lengths = np.asarray(part.lengths, dtype=np.int64)
         ids = np.asarray(part.sample_ids, dtype=np.uint64)
@@ -331,9 +354,11 @@ class CacheWriter:
         specs = [spec for spec in self.part_specs(part) if spec.name not in part.copied]
         before = None if part.copy is None else (lambda group: part.copy(self, group))
         feed = None if part.feed is None else part.feed.arrays()
-        entry = self.store.write_part(part.name, specs, attrs, self.rank, self.lease, before=before, feed=feed)
-        log.debug("committed part %s: %d samples, %d tokens", part.name, len(part.lengths), part.tokens)
-        self._rows[part.name] = PartRows(lengths, ids, keys)
+        commit = self.store.write_part_deferred(part.name, specs, attrs, self.rank, self.lease, before=before, feed=feed)
+        return part, PartRows(lengths, ids, keys), commit
+
+    def _commit(self, part: PartData, rows: PartRows, commit) -> None:
+        entry, self._rows[part.name] = commit(), rows
         if self._committed is not None:
             self._committed[part.name] = entry
 

@@ -190,6 +190,10 @@ class HDF5StoreWriter(HDF5Store, WritableStore):
     # ---- writing -----------------------------------------------------------------------------
     def write_part(self, name: str, arrays: list[ArraySpec], attrs: dict, rank: int, lease,
                    before=None, feed=None) -> PartEntry:
+        return self.write_part_deferred(name, arrays, attrs, rank, lease, before=before, feed=feed)()
+
+    def write_part_deferred(self, name: str, arrays: list[ArraySpec], attrs: dict, rank: int, lease,
+                            before=None, feed=None):
         if before is not None:  # one file per part: a derive re-encodes instead (derive_source.links_only)
             raise CacheFormatError(f"{self.url}: an HDF5 part cannot take arrays linked from another store")
         key = f"parts/{name}{SUFFIX}"
@@ -202,32 +206,45 @@ class HDF5StoreWriter(HDF5Store, WritableStore):
             if (parts / f"{name}{SUFFIX}").exists():
                 raise PartConflict(f"{self.url}: {key} already exists; a committed part is never rewritten")
             tmp = str(parts / f"{name}{SUFFIX}.{uuid.uuid4().hex}.partial")
+
+        def discard() -> None:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
         # the rows a Zarr commit record carries are the part file's own offsets/sample_id here
         attrs = {k: v for k, v in attrs.items() if k not in ("lengths", "sample_ids", "keys")}
         try:
             where = write_part_file(tmp, arrays, attrs, feed)
-            if self.remote:
-                lease.check()  # never commit over the parts of a job that took the store over
-                try:  # If-None-Match: * (on CompleteMultipartUpload for a large file)
-                    self.fs.put_file(tmp, self.key_path(key), mode="create")
-                except OSError as e:
-                    if refused_as_existing(e):
-                        raise PartConflict(f"{self.url}: {key}: another writer created this part meanwhile; "
-                                           "not overwriting it") from None
-                    raise
-                finally:
-                    self.fs.invalidate_cache(self.key_path("parts"))
-            else:
-                fsync_path(tmp)
-                lease.check()
-                try:
-                    os.link(tmp, self.key_path(key))  # create-only and atomic: the commit
-                except FileExistsError:
-                    raise PartConflict(f"{self.url}: {key} already exists; a committed part is never "
-                                       "rewritten") from None
-                for p in (str(parts), str(parts.parent)):
-                    fsync_path(p)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        return PartEntry.of(name, attrs["samples"], attrs["tokens"], where)
+        except BaseException:
+            discard()
+            raise
+
+        def commit() -> PartEntry:
+            try:
+                if self.remote:
+                    lease.check()  # never commit over the parts of a job that took the store over
+                    try:  # If-None-Match: * (on CompleteMultipartUpload for a large file)
+                        self.fs.put_file(tmp, self.key_path(key), mode="create")
+                    except OSError as e:
+                        if refused_as_existing(e):
+                            raise PartConflict(f"{self.url}: {key}: another writer created this part meanwhile; "
+                                               "not overwriting it") from None
+                        raise
+                    finally:
+                        self.fs.invalidate_cache(self.key_path("parts"))
+                else:
+                    fsync_path(tmp)
+                    lease.check()
+                    try:
+                        os.link(tmp, self.key_path(key))  # create-only and atomic: the commit
+                    except FileExistsError:
+                        raise PartConflict(f"{self.url}: {key} already exists; a committed part is never "
+                                           "rewritten") from None
+                    for p in (str(parts), str(parts.parent)):
+                        fsync_path(p)
+            finally:
+                discard()
+            return PartEntry.of(name, attrs["samples"], attrs["tokens"], where)
+
+        commit.discard = discard  # a commit the writer skips (an earlier one failed) leaves no file behind
+        return commit

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from pathlib import Path
 
 import numpy as np
 import zarr
@@ -16,7 +17,7 @@ from deepspec.cache.spec.format import (CHUNK_CRC32C, FORMAT, INDEX_COLUMNS, Cac
                                        inner_codecs)
 from deepspec.cache.spec.manifest import Manifest, PartEntry
 from deepspec.cache.storage.urls import local_path, storage_options_for
-from deepspec.cache.storage.durable import fsync_tree
+from deepspec.cache.storage.durable import FlushAhead, fsync_tree
 from deepspec.cache.storage.fenced import PartConflict, open_store, refused_as_existing
 from deepspec.io import fsync_path
 from deepspec.cache.backends.zarr.layout import part_damage
@@ -24,6 +25,53 @@ from deepspec.cache.backends.zarr.shard import ShardAppender, encode_shard
 from deepspec.cache.backends.zarr.read import INDEX_ARRAY, ZarrStore
 
 log = logging.getLogger(__name__)
+
+
+def _chunking(spec: ArraySpec) -> tuple[tuple, tuple]:
+    """(inner chunk shape, shard shape) of an array: one shard holding every row."""
+    shape = tuple(spec.shape)
+    rows = shape[0]
+    chunks = (min(spec.chunk_rows, max(rows, 1)),) + shape[1:]
+    return chunks, (math.ceil(max(rows, 1) / chunks[0]) * chunks[0],) + shape[1:]
+
+
+def array_document(spec: ArraySpec) -> bytes:
+    """The `zarr.json` of a single-shard array, built with zarr-python's own metadata classes
+    without touching a store."""
+    from zarr.codecs import ShardingCodec
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.core.dtype import parse_dtype
+    from zarr.core.metadata.v3 import ArrayV3Metadata
+
+    chunks, shards = _chunking(spec)
+    dtype = np.dtype(spec.dtype)
+    meta = ArrayV3Metadata(
+        shape=tuple(spec.shape), data_type=parse_dtype(dtype, zarr_format=3),
+        chunk_grid={"name": "regular", "configuration": {"chunk_shape": shards}},
+        chunk_key_encoding={"name": "default", "configuration": {"separator": "/"}}, fill_value=0,
+        codecs=[ShardingCodec(chunk_shape=chunks, codecs=inner_codecs(spec.codec, dtype.itemsize))],
+        attributes={CHUNK_CRC32C: "table"} if crc_table(spec.codec) else {}, dimension_names=None)
+    return meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
+
+
+def create_array_files(group_dir: Path, spec: ArraySpec) -> None:
+    """What zarr-python's create_array writes into a local group for a new array (`spec.name` may
+    be nested, "hidden/9"): the array's zarr.json and, for each level between the group and the
+    array, a group's zarr.json where there is none yet."""
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.core.group import GroupMetadata
+
+    path = group_dir / spec.name
+    path.mkdir(parents=True, exist_ok=True)
+    for parent in list(Path(spec.name).parents)[:-1]:
+        try:
+            with open(group_dir / parent / "zarr.json", "xb") as f:
+                f.write(GroupMetadata(zarr_format=3).to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes())
+        except FileExistsError:
+            pass
+    # "x": never overwrite, as create_array(overwrite=False): it may be another writer's part
+    with open(path / "zarr.json", "xb") as f:
+        f.write(array_document(spec))
 
 
 class ZarrStoreWriter(ZarrStore, WritableStore):
@@ -135,28 +183,43 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
 
     # ---- writing -----------------------------------------------------------------------------
     def _create(self, group: zarr.Group, spec: ArraySpec) -> tuple[str, int]:
-        """zarr-python writes the array's metadata; returns the key of its one shard and the rows of
-        an inner chunk. The shard itself is encoded here (ShardAppender): zarr-python's own shard
+        """The array's metadata (`zarr.json`); returns the key of its one shard and the rows of an
+        inner chunk. The shard itself is encoded here (ShardAppender): zarr-python's own shard
         writer pays Python overhead per inner chunk (~6x slower than a raw write for narrow rows)
         and cannot write v4's crc32c table; without the table the bytes are identical
-        (tests/cache/test_writer.py compares them)."""
-        shape, dtype = tuple(spec.shape), np.dtype(spec.dtype)
-        rows = shape[0]
-        chunks = (min(spec.chunk_rows, max(rows, 1)),) + shape[1:]
-        shards = (math.ceil(max(rows, 1) / chunks[0]) * chunks[0],) + shape[1:]
-        codecs = inner_codecs(spec.codec, dtype.itemsize)
-        # never overwrite=True: that deletes what is there, which may be another writer's committed part
-        group.create_array(spec.name, shape=shape, dtype=dtype, chunks=chunks, shards=shards,
+        (tests/cache/test_writer.py compares them). On a local store the metadata document is
+        written here too (array_document, byte for byte what zarr-python's create_array writes,
+        tested): create_array's round trips through its event loop cost more than a narrow part's
+        data (benchmarks/cache_write.py --parts)."""
+        chunks, shards = _chunking(spec)
+        prefix = f"{group.path}/{spec.name}/".lstrip("/")
+        key = prefix + "c/" + "/".join("0" for _ in spec.shape)
+        if not self.remote:
+            create_array_files(local_path(self.url) / group.path, spec)
+            return key, chunks[0]
+        codecs = inner_codecs(spec.codec, np.dtype(spec.dtype).itemsize)
+        group.create_array(spec.name, shape=tuple(spec.shape), dtype=np.dtype(spec.dtype), chunks=chunks, shards=shards,
                            serializer=codecs[0], compressors=codecs[1:], fill_value=0,
                            config={"write_empty_chunks": True},
                            attributes={CHUNK_CRC32C: "table"} if crc_table(spec.codec) else None)
-        return f"{group.path}/{spec.name}/c/".lstrip("/") + "/".join("0" for _ in shape), chunks[0]
+        return key, chunks[0]
 
     def _put(self, key: str, blob: bytes) -> None:
         from zarr.core.buffer import default_buffer_prototype
         from zarr.core.sync import sync
 
         sync(self.root.store.set(key, default_buffer_prototype().buffer.from_bytes(blob)))
+
+    def _put_new(self, key: str, blob: bytes) -> None:
+        """A new object of an uncommitted part: on a local store a plain exclusive write (fsynced
+        with its part), without a round trip through zarr-python's event loop."""
+        if self.remote:
+            self._put(key, blob)
+            return
+        path = local_path(self.url) / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "xb") as f:
+            f.write(blob)
 
     # bytes an S3 shard stream buffers before it uploads them as one part of its multipart upload
     UPLOAD_BLOCK = 64 << 20
@@ -211,6 +274,10 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
 
     def write_part(self, name: str, arrays: list[ArraySpec], attrs: dict, rank: int, lease,
                    before=None, feed=None) -> PartEntry:
+        return self.write_part_deferred(name, arrays, attrs, rank, lease, before=before, feed=feed)()
+
+    def write_part_deferred(self, name: str, arrays: list[ArraySpec], attrs: dict, rank: int, lease,
+                            before=None, feed=None):
         # a part is only ever created (on S3 by conditional PUTs, store.FencedS3Store): a name that
         # exists is an error, never an overwrite
         try:
@@ -221,11 +288,12 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
         if before is not None:  # a derive links the arrays it keeps from its source into the new part
             before(group)
         streamed = []
+        flush = FlushAhead()
         try:
             for spec in arrays:
                 key, chunk_rows = self._create(group, spec)
                 if spec.data is not None:
-                    self._put(key, encode_shard(spec.data, chunk_rows, spec.codec))
+                    self._put_new(key, encode_shard(spec.data, chunk_rows, spec.codec))
                     continue
                 sink = self.open_shard(key)
                 streamed.append((spec, key, sink, ShardAppender(sink, spec.shape[0], spec.shape[1:], spec.dtype,
@@ -234,19 +302,30 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
                 # the part's streamed arrays take their rows batch by batch: what is held is a batch
                 # (and less than a chunk of each array), not the part
                 for rows in feed:
-                    for spec, _, _, shard in streamed:
+                    for spec, _, sink, shard in streamed:
                         shard.append(rows[spec.name])
+                        if not self.remote:
+                            flush.wrote(sink, shard.nbytes)
                 for spec, key, sink, shard in streamed:
                     shard.finish()
+                    flush.done(sink)
                     self.finish_shard(key, sink)
         finally:
             for _, _, sink, _ in streamed:
+                try:
+                    flush.done(sink)
+                except OSError:
+                    pass  # the part fails already; its descriptor must still outlive the flush
                 self.drop_shard(sink)
-        if not self.remote:  # an S3 PUT is durable when it returns; a local file only once fsynced
-            path = local_path(self.url)
-            fsync_tree(path / "parts" / name)
-            for p in (path / "parts" / "zarr.json", path / "parts", path):
-                fsync_path(p)
-        lease.check()  # never commit over the parts of a job that took the store over
-        group.attrs.put(attrs)  # the commit record: O(samples of this part) bytes, nothing at the root
-        return PartEntry.of(name, attrs["samples"], attrs["tokens"])
+
+        def commit() -> PartEntry:
+            if not self.remote:  # an S3 PUT is durable when it returns; a local file only once fsynced
+                path = local_path(self.url)
+                fsync_tree(path / "parts" / name)
+                for p in (path / "parts" / "zarr.json", path / "parts", path):
+                    fsync_path(p)
+            lease.check()  # never commit over the parts of a job that took the store over
+            group.attrs.put(attrs)  # the commit record: O(samples of this part) bytes, nothing at the root
+            return PartEntry.of(name, attrs["samples"], attrs["tokens"])
+
+        return commit
