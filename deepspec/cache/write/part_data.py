@@ -59,6 +59,7 @@ class PartFeed:
         # check_writer(): raises the writer's error once it has failed (CacheWriter passes its own check)
         self.check_writer, self.layers = check_writer, list(layers)
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.closed = False  # every row was put
 
     def _put(self, item) -> None:
         while True:  # a writer that failed no longer takes batches: its error is raised here
@@ -77,6 +78,7 @@ class PartFeed:
     def close(self) -> None:
         """Every row was put: the writer finishes the part's shards and commits it."""
         self._put(self._END)
+        self.closed = True
 
     def abort(self) -> None:
         """The part will not be completed: the writer drops it uncommitted (never blocks)."""

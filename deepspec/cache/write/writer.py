@@ -1,21 +1,21 @@
-"""Writing cache parts: whole shards per call, committed atomically, on a background thread.
+"""Writing cache parts: whole shards per call, committed atomically, on background threads.
 
-A part is written array by array into `parts/<name>/`; on a local filesystem every file and
-directory of it is then fsynced, and only then is the part group's `committed` attribute set (a
-durable replace). On opening, rank 0 deletes everything a killed writer leaves (uncommitted parts,
-zarr's `*.partial` temp files, anything else that is not part of the layout) and checks every
-committed part of a local store cheaply (the store's part_damage): a damaged one is deleted, and the
-run computes it again (a part's name is its content, so it is the same part).
+A part is written array by array into `parts/<name>/`; then (on a second thread, while the next
+part is written) every file and directory of it is fsynced on a local filesystem, and only then is
+the part group's `committed` attribute set (a durable replace). On opening, rank 0 deletes what a
+killed writer leaves (uncommitted parts, zarr's `*.partial` temp files, anything not of the
+layout) and checks every committed part of a local store cheaply (part_damage): a damaged one is
+deleted, and the run computes it again (a part's name is its content, so it is the same part).
 
 Committing a part writes only that part's own objects (its commit record carries the part's sample
-lengths, ids and content keys): the root is not touched, so a commit costs the same bytes whatever
-the number of parts, and readers keep reading the parts the root lists. Rank 0 consolidates once
-when done (`write_manifest`): the per-sample index of the parts the run's input needs, then the
-root listing them, after which a reader opens the store with O(1) requests. A run that commits
-nothing and lists the same parts rewrites nothing.
+lengths, ids and content keys), whatever the number of parts; readers keep reading the parts the
+root lists. Rank 0 consolidates once when done (`write_manifest`): the per-sample index of the
+parts the run's input needs, then the root listing them (a reader then opens the store with O(1)
+requests). A run that commits nothing and lists the same parts rewrites nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -177,11 +177,7 @@ class CacheWriter:
         return self.store.committed_parts()
 
     def committed_sample_ids(self) -> set[int]:
-        return {int(v) for ids in self.committed_part_sample_ids().values() for v in ids}
-
-    def committed_part_sample_ids(self) -> dict[str, np.ndarray]:
-        """Each committed part's sample ids (uint64, in the part's order)."""
-        return {name: self._rows[name].sample_ids for name in self._entries()}
+        return {int(v) for name in self._entries() for v in self._rows[name].sample_ids}
 
     def _entries(self) -> dict[str, PartEntry]:
         """Every committed part, listed; the rows of parts not yet known are taken from their commit
@@ -236,16 +232,17 @@ class CacheWriter:
             self.write_manifest(order)
 
     def abort(self) -> None:
-        """Stop after the part being written; pending parts are dropped (they are not committed), and
-        so is a streamed part not yet closed."""
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-        for feed in list(self._feeds):
+        """Stop once every part handed over whole is written and committed (a streamed part whose
+        feed was closed included: its states are never computed again); a streamed part not yet
+        closed is dropped uncommitted."""
+        pending = []
+        with contextlib.suppress(queue.Empty):  # the writer thread may take the last one meanwhile
+            while True:
+                pending.append(self._queue.get_nowait())
+        for feed in [f for f in self._feeds if not f.closed]:
             feed.abort()
-        self._queue.put(None)
+        for part in [p for p in pending if p is not None and (p.feed is None or p.feed.closed)] + [None]:
+            self._queue.put(part)
         self._thread.join()
 
     def release(self) -> None:
