@@ -63,11 +63,16 @@ def vocab_map(counts: Counter | dict, draft_vocab_size: int, vocab_size: int) ->
     return ids - torch.arange(draft_vocab_size, device="cpu"), t2d
 
 
+def samples_of(dataset):
+    """The items of a map-style dataset in index order, or those of an iterable as it yields them."""
+    return (dataset[i] for i in range(len(dataset))) if hasattr(dataset, "__len__") else iter(dataset)
+
+
 def loss_token_counts(dataset) -> Counter:
-    """Frequencies of the tokens the loss sees (loss_mask 1) over a TargetCacheDataset of ids + masks."""
+    """Frequencies of the tokens the loss sees (loss_mask 1) over a TargetCacheDataset of ids + masks
+    (or any iterable of such samples)."""
     counts: Counter = Counter()
-    for i in range(len(dataset)):
-        item = dataset[i]
+    for item in samples_of(dataset):
         ids = item["input_ids"].numpy()[item["loss_mask"].numpy().astype(bool)]
         values, n = np.unique(ids, return_counts=True)
         counts.update(dict(zip(values.tolist(), n.tolist())))

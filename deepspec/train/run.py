@@ -137,10 +137,13 @@ RESUME_NEUTRAL = ("steps", "checkpoint_every", "keep_checkpoints", "num_workers"
 
 
 def distinct_token_ids(dataset) -> np.ndarray:
-    """The sorted distinct token ids of every sample of a TargetCacheDataset of input ids."""
+    """The sorted distinct token ids of every sample of a TargetCacheDataset of input ids (or of any
+    iterable of such samples)."""
+    from deepspec.models.eagle3 import samples_of
+
     seen = np.zeros(0, dtype=bool)  # a bitmap over ids: one pass, O(tokens + vocabulary)
-    for i in range(len(dataset)):
-        ids = dataset[i]["input_ids"].numpy()
+    for item in samples_of(dataset):
+        ids = item["input_ids"].numpy()
         if len(ids) and ids.max() >= len(seen):
             seen = np.concatenate([seen, np.zeros(int(ids.max()) + 1 - len(seen), dtype=bool)])
         seen[ids] = True
@@ -175,28 +178,24 @@ def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_di
                                  expect={"target": identity}, read_ahead=cfg.read_ahead, **where)
     dataset.reader.mirror_bytes = int(cfg.mirror_gb * 2**30)
 
-    def every_part() -> None:  # what reads every sample before training waits for the whole store
+    def corpus(fields: tuple[str, ...]):
+        """Every cached sample's tokens; while a read-through fill runs, the same tokens encoded again
+        from its plan (fill.samples), so the first step does not wait for the whole store."""
         if fill is not None:
-            log.info("train: waiting for the read-through capture to store every part (the draft needs the "
-                     "whole corpus's tokens before its first step)")
-            fill.wait_all()
+            return fill.samples()
+        return TargetCacheDataset(cache_url, layers=[], fields=fields, storage_options=storage_options, **where)
 
     counts = None
     if cfg.algorithm == "eagle3":
         from deepspec.models.eagle3 import loss_token_counts
 
         if rank == 0:  # one pass over the corpus's tokens, on one rank; the others get its result
-            every_part()
-            tokens = TargetCacheDataset(cache_url, layers=[], fields=("input_ids", "loss_mask"),
-                                        storage_options=storage_options, **where)
-            counts = loss_token_counts(tokens)
+            counts = loss_token_counts(corpus(("input_ids", "loss_mask")))
         if world > 1:
             counts = distributed.share(counts, device)
+
     def cache_ids() -> np.ndarray:  # only read when no cheaper rule finds a mask token
-        every_part()
-        tokens = TargetCacheDataset(cache_url, layers=[], fields=("input_ids",),
-                                    storage_options=storage_options, **where)
-        return distinct_token_ids(tokens)
+        return distinct_token_ids(corpus(("input_ids",)))
 
     model = new_draft(cfg, layers, target_dir, counts, cache_ids).to(device)
     if counts is not None:

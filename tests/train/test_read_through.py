@@ -96,6 +96,42 @@ def test_read_through_trains_the_offline_draft_leaves_the_scratch_store_and_neve
     assert full is not None and full["index"] == dict(CacheReader(str(rt / "data" / "cache.zarr")).manifest)["index"]
 
 
+def test_eagle3_read_through_takes_the_corpus_tokens_from_the_plan_and_trains_the_offline_draft(
+        tmp_path, trained_target, monkeypatch):
+    """EAGLE-3's vocabulary needs every sample's loss tokens before the first step: a read-through run
+    encodes them again from its plan while the capture is held back (it would never finish if the
+    run waited for the store), and trains the offline run's draft."""
+    import threading
+
+    from deepspec.cache.build import stage
+    from deepspec.models import eagle3
+
+    eagle = dict(algorithm="eagle3", ttt_steps=2, draft_vocab_size=64)
+    ref = workdir(tmp_path / "offline", trained_target)
+    rt = workdir(tmp_path / "read_through", trained_target)
+    offline(ref, **eagle)
+    counted, computed = threading.Event(), []
+    real_compute, real_counts = stage.compute_part, eagle3.loss_token_counts
+
+    def held_back(*args, **kw):  # the second part waits until the vocabulary is counted
+        computed.append(args[1])
+        if len(computed) == 2:
+            assert counted.wait(60), "the run waited for the store before counting its tokens"
+        return real_compute(*args, **kw)
+
+    def counting(dataset):
+        counts = real_counts(dataset)
+        counted.set()
+        return counts
+
+    monkeypatch.setattr(stage, "compute_part", held_back)
+    monkeypatch.setattr(eagle3, "loss_token_counts", counting)
+    read_through(rt, **eagle)
+    assert counted.is_set() and len(computed) >= 2
+    assert same_weights(ref / "draft", rt / "draft")
+    assert store_files(str(ref / "data" / "cache.zarr")) == store_files(str(rt / "data" / "cache.zarr"))
+
+
 def test_a_stopped_read_through_run_leaves_its_committed_parts_and_the_next_computes_only_the_rest(
         tmp_path, trained_target, monkeypatch):
     from deepspec.cache.build import stage

@@ -6,8 +6,8 @@ parts kept, derived or computed, the same writer, lease and commit, and at the e
 the root to the plan. So the store a read-through run leaves is the one the cache stage builds from
 the same input, and a part the store already holds (another experiment's, or an earlier run's that
 was killed) is read, never computed again. What the fill adds is timing: the trainer gets the plan
-(`plan`: the planned manifest and per-sample index, enough to size and order every batch) before a
-part is written, names the order it needs the parts in (`compute`), and its sampler waits for a
+(`plan`: the planned manifest and per-sample index, enough to size and order every batch; `samples`:
+every sample's tokens, encoded again) before a part is written, names the order it needs the parts in (`compute`), and its sampler waits for a
 batch's parts (`wait`). The root is switched only after training ends (`finish`), because a local
 derive writes next to the store and swaps the two at the end.
 """
@@ -97,6 +97,7 @@ class StoreFill(FillHooks):
         self.report: dict | None = None
         self.wait_s = 0.0  # how long the trainer waited for parts
         self._planned: Planned | None = None
+        self._inputs: tuple | None = None  # (RowIndex, plan, EncodeRules) the plan was made of
         self._order: list[str] | None = None
         self._committed: set[str] = set()
         self._current: str | None = None  # the part being written
@@ -128,6 +129,9 @@ class StoreFill(FillHooks):
                 raise _Stopped()
         if self._stop:
             raise _Stopped()
+
+    def inputs(self, index, plan, rules) -> None:
+        self._inputs = (index, plan, rules)
 
     def planned(self, url: str, manifest: Manifest, rows: np.ndarray, have: set[str]) -> list[str] | None:
         with self._cond:
@@ -194,8 +198,20 @@ class StoreFill(FillHooks):
         with self._cond:
             return self._planned is not None and all(p.name in self._committed for p in self._planned.manifest.parts)
 
-    def wait_all(self) -> None:
-        self.wait(self.plan().names)
+    def samples(self):
+        """Every planned sample's tokens ({"input_ids": int32, "loss_mask": uint8} tensors), part by
+        part in plan order, encoded again from the regen file by the plan's own rules with a tokenizer
+        of the calling thread: what the store holds, for what needs every sample's tokens before its
+        first step (EAGLE-3's vocabulary, a mask token), without waiting for the store to fill."""
+        from deepspec.cache.build.regen_rows import part_samples
+        from deepspec.cache.build.stage import load_tokenizer
+
+        self.plan()
+        index, plan, rules = self._inputs
+        for _, samples in part_samples(load_tokenizer(self.target_dir), index, plan, rules):
+            for s in samples:
+                yield {"input_ids": torch.tensor(s.input_ids, dtype=torch.int32),
+                       "loss_mask": torch.tensor(s.loss_mask, dtype=torch.uint8)}
 
     def finish(self) -> dict:
         """Training is over: let the build switch the root to the plan (after writing any part training

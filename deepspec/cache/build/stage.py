@@ -166,6 +166,9 @@ class FillHooks:
     """Where a read-through run (fill.py) joins a single-rank build; each default changes nothing.
     The hooks run on the building thread, except `committed`, which runs on the writer's."""
 
+    def inputs(self, index: RowIndex, plan: list[tuple[str, np.ndarray]], rules: EncodeRules) -> None:
+        """What the plan is made of, just before `planned`: the planned samples encode again from it."""
+
     def planned(self, url: str, manifest: Manifest, rows: np.ndarray, have: set[str]) -> list[str] | None:
         """The store at `url` is planned (planned_manifest) and holds the parts `have`; returns the
         order to write the others in (None: plan order)."""
@@ -327,6 +330,7 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
     todo = [(name, rows) for name, rows in plan if name not in have]
     cached = int(sum(len(rows) for name, rows in plan if name in have))
     check_not_empty(index, regen_path)
+    hooks.inputs(index, plan, EncodeRules.of(cfg))
     order = hooks.planned(writer.url, *planned_manifest(writer.manifest.to_dict(), index, plan), set(have))
     if order is not None:
         position = {name: k for k, name in enumerate(order)}
