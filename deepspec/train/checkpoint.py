@@ -24,6 +24,7 @@ import base64
 import json
 import logging
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -131,24 +132,43 @@ def prune(root: StateDir | Path, step: int, keep: int) -> None:
     one has replaced (train.steps lowered below them; corrupt ones it could not resume from), and the
     ones set aside under other params are no longer needed."""
     state = as_state(root)
-    for old in state.entries("ckpt-"):
+    for old in checkpoints(state):
         if checkpoint_step(old) > step:
             log.warning("removing %s: beyond step %d, from which this run has saved", state.where(old), step)
             state.remove(old)
-    for old in state.entries("ckpt-")[:-keep]:
+    for old in checkpoints(state)[:-keep]:
         state.remove(old)
     for stale in state.entries("stale-"):
         log.info("removing %s: checkpoints of other params, superseded by this run's", state.where(stale))
         state.remove(stale)
 
 
+CHECKPOINT = re.compile(r"ckpt-(\d{8,18})")  # as save() names them
+
+
 def checkpoint_step(name: str | Path) -> int:
     return int(str(name).rstrip("/").rsplit("/", 1)[-1].removeprefix("ckpt-"))
 
 
+def checkpoints(state: StateDir, under: str = "") -> list[str]:
+    """The checkpoint directories under `under`, by step: `ckpt-<digits>` only. Anything else there
+    whose name starts with `ckpt-` is not a checkpoint this code wrote: it is named in a warning and
+    never read, moved or deleted."""
+    names, foreign = [], []
+    for name in state.entries("ckpt-", under=under):
+        (names if CHECKPOINT.fullmatch(name.rsplit("/", 1)[-1]) else foreign).append(name)
+    for where in sorted({state.where(name) for name in foreign} - _FOREIGN):
+        _FOREIGN.add(where)
+        log.warning("%s: not a checkpoint (ckpt-<8 or more digits>): left alone", where)
+    return sorted(names, key=checkpoint_step)
+
+
+_FOREIGN: set[str] = set()  # named once per process
+
+
 def list_checkpoints(root: Path) -> list[Path]:
     """The checkpoints of a local state directory, oldest first."""
-    return [root / n for n in StateDir(root).entries("ckpt-")]
+    return [root / n for n in checkpoints(StateDir(root))]
 
 
 def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
@@ -199,7 +219,7 @@ def valid_checkpoints(root: StateDir | Path, fingerprint: str, max_step: int):
     """This run's checkpoints at or below `max_step` that read back intact, newest first, as
     (name, model tensors, optimizer tensors, meta); bad ones are reported and skipped."""
     state = as_state(root)
-    for name in reversed(state.entries("ckpt-")):
+    for name in reversed(checkpoints(state)):
         if checkpoint_step(name) > max_step:
             continue
         try:
@@ -214,7 +234,7 @@ def valid_checkpoints(root: StateDir | Path, fingerprint: str, max_step: int):
 def steps_beyond(root: StateDir | Path, fingerprint: str, max_step: int) -> list[int]:
     """Steps of this run's checkpoints past `max_step` (train.steps was lowered below them)."""
     state = as_state(root)
-    return [checkpoint_step(n) for n in state.entries("ckpt-")
+    return [checkpoint_step(n) for n in checkpoints(state)
             if checkpoint_step(n) > max_step and (read_meta(state, n) or {}).get("fingerprint") == fingerprint]
 
 
@@ -223,7 +243,7 @@ def set_aside_stale(root: StateDir | Path, fingerprint: str) -> None:
     stale-<their fingerprint>/ (deleted by `prune` once this run has saved one); this run's own, set
     aside by a run under other params that saved nothing, come back."""
     state = as_state(root)
-    for name in state.entries("ckpt-"):
+    for name in checkpoints(state):
         meta = read_meta(state, name)
         if meta is None or meta.get("fingerprint") == fingerprint:
             continue
@@ -233,7 +253,7 @@ def set_aside_stale(root: StateDir | Path, fingerprint: str) -> None:
         log.warning("checkpoint %s was made under other params: moved to %s (deleted once this run saves "
                     "a checkpoint; switch the params back before that to resume it)", name, state.where(aside))
     mine = f"stale-{fingerprint}"
-    for name in state.entries("ckpt-", under=mine):
+    for name in checkpoints(state, under=mine):
         own = name.rsplit("/", 1)[-1]
         if not state.exists(own):
             state.move(name, own)

@@ -102,6 +102,25 @@ def test_raising_steps_continues_from_the_last_checkpoint_with_the_new_horizon(t
     assert final["steps"] == 40
 
 
+def test_a_directory_named_like_a_checkpoint_that_is_not_one_is_named_and_left_alone(tmp_path, small_cache,
+                                                                                      trained_target, caplog):
+    """The state directory is shared with people: `ckpt-best/` (a copy someone kept) or `ckpt-5/` is
+    not a checkpoint this code wrote, so a run neither resumes from it nor prunes it; the steps of
+    real ones order numerically."""
+    state = tmp_path / "state"
+    for name in ("ckpt-best", "ckpt-5"):
+        (state / name).mkdir(parents=True)
+        (state / name / "notes.txt").write_text("mine")
+    caplog.set_level(logging.WARNING)
+    train(tmp_path, small_cache, trained_target, steps=30, keep_checkpoints=1)
+    assert [p.name for p in list_checkpoints(state)] == ["ckpt-00000030"]
+    for name in ("ckpt-best", "ckpt-5"):
+        assert (state / name / "notes.txt").read_text() == "mine"
+        assert f"{state / name}: not a checkpoint" in caplog.text
+    (state / "ckpt-100000000").mkdir()  # past 8 digits, still after step 30
+    assert [p.name for p in list_checkpoints(state)] == ["ckpt-00000030", "ckpt-100000000"]
+
+
 def test_lowering_steps_resumes_from_a_checkpoint_at_or_below_it_or_stops(tmp_path, small_cache, trained_target,
                                                                           caplog):
     state = tmp_path / "state"
