@@ -7,8 +7,8 @@ the root to the plan. So the store a read-through run leaves is the one the cach
 the same input, and a part the store already holds (another experiment's, or an earlier run's that
 was killed) is read, never computed again. What the fill adds is timing: the trainer gets the plan
 (`plan`: the planned manifest and per-sample index, enough to size and order every batch; `samples`:
-every sample's tokens, encoded again) before a part is written, names the order it needs the parts in (`compute`), and its sampler waits for a
-batch's parts (`wait`). The root is switched only after training ends (`finish`), because a local
+every sample's tokens, encoded again) before a part is written, names the order it needs the parts
+in (`compute`), and its sampler waits for a batch's parts (`wait`). The root is switched only after training ends (`finish`), because a local
 derive writes next to the store and swaps the two at the end.
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from deepspec.cache.build.stage import FillHooks, build_cache
+from deepspec.cache.build.regen_rows import part_samples
+from deepspec.cache.build.stage import FillHooks, build_cache, load_tokenizer
 from deepspec.cache.spec.format import CacheFormatError
 from deepspec.cache.spec.manifest import Manifest, manifest_mismatch
 from deepspec.config import CacheConfig
@@ -203,9 +204,6 @@ class StoreFill(FillHooks):
         part in plan order, encoded again from the regen file by the plan's own rules with a tokenizer
         of the calling thread: what the store holds, for what needs every sample's tokens before its
         first step (EAGLE-3's vocabulary, a mask token), without waiting for the store to fill."""
-        from deepspec.cache.build.regen_rows import part_samples
-        from deepspec.cache.build.stage import load_tokenizer
-
         self.plan()
         index, plan, rules = self._inputs
         for _, samples in part_samples(load_tokenizer(self.target_dir), index, plan, rules):

@@ -164,7 +164,7 @@ def load_target(target_dir: Path, device: torch.device, compute: dict | None = N
 
 class FillHooks:
     """Where a read-through run (fill.py) joins a single-rank build; each default changes nothing.
-    The hooks run on the building thread, except `committed`, which runs on the writer's."""
+    The hooks run on the building thread, except `committed`, which runs on the writer's commit thread."""
 
     def inputs(self, index: RowIndex, plan: list[tuple[str, np.ndarray]], rules: EncodeRules) -> None:
         """What the plan is made of, just before `planned`: the planned samples encode again from it."""

@@ -70,7 +70,7 @@ class ShardAppender:
             self._write_chunk(np.concatenate(self._carry))
             self._carry, self._carried = [], 0
         full = (len(values) - at) // self.chunk_rows * self.chunk_rows
-        if full and self._crcs is not None :  # back to back in the file: one write for the run
+        if full and self._crcs is not None:  # back to back in the file: one write for the run
             self._write_run(values[at:at + full])
             at += full
         while len(values) - at >= self.chunk_rows:
