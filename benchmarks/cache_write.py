@@ -1,7 +1,7 @@
 """Cache writing, measured side by side in one run on real activations of the embedded target.
 
     python benchmarks/cache_write.py [--target data/target] [--rows 600] [--repeat 8]
-    python benchmarks/cache_write.py --parts [--widths 128,2560] [--part-tokens 16384] [--code DIR]
+    python benchmarks/cache_write.py --parts [--widths 128,2560] [--part-tokens 16384] [--storage hdf5] [--code DIR]
 
 Prints
   1. writer MB/s vs raw numpy.memmap writes of the same bytes (ratio),
@@ -112,7 +112,7 @@ def quant_error(x: torch.Tensor) -> dict:
 PART_LAYERS = [1, 9, 17, 25, 33]
 
 
-def parts_child(width: int, part_tokens: int, parts: int, batch: int, raw: bool) -> dict:
+def parts_child(width: int, part_tokens: int, parts: int, batch: int, raw: bool, storage: str = "zarr") -> dict:
     """One run of --parts in this process: the writer (of whichever checkout is on sys.path), or
     plain files."""
     rng = np.random.default_rng(0)
@@ -137,7 +137,7 @@ def parts_child(width: int, part_tokens: int, parts: int, batch: int, raw: bool)
             from deepspec.cache.write.writer import CacheWriter
 
             man = {"target": {"id": "bench", "hidden_size": width}, "layers": PART_LAYERS, "dtype": "bfloat16",
-                   "codec": "none", "max_length": 1024, "chunk_tokens": 64, "hidden_size": width}
+                   "codec": "none", "max_length": 1024, "chunk_tokens": 64, "hidden_size": width, "storage": storage}
             writer = CacheWriter(str(Path(tmp) / "s.zarr"), man)
             for p in range(parts):
                 lengths = np.full(n, 512, np.int64)
@@ -167,7 +167,8 @@ def parts_bench(args) -> None:
         for rep in range(args.repeats):
             for name, code in [*codes, ("plain files", None)]:
                 os.sync()
-                cmd = [sys.executable, str(here), "--parts-child", str(width), str(args.part_tokens), str(parts)]
+                cmd = [sys.executable, str(here), "--parts-child", str(width), str(args.part_tokens), str(parts),
+                       "--storage", args.storage]
                 if code is None:
                     cmd.append("--raw")
                 env = dict(os.environ, PYTHONPATH=str(code or here.parents[1]))
@@ -179,7 +180,8 @@ def parts_bench(args) -> None:
         for name, runs in got.items():
             ms = statistics.median(r["ms_per_part"] for r in runs)
             rows.append((width, parts, name, ms, statistics.median(r["GB_s"] for r in runs), ms / floor))
-    print(f"\nstreamed parts of {args.part_tokens} tokens (5 layers + last, bf16), median of {args.repeats} interleaved runs")
+    print(f"\n{args.storage}: streamed parts of {args.part_tokens} tokens (5 layers + last, bf16), median of "
+          f"{args.repeats} interleaved runs")
     print(f"{'width':>6} {'parts':>5}  {'writer':<11} {'ms/part':>8} {'GB/s':>6} {'vs plain':>8}")
     for width, parts, name, ms, gbs, ratio in rows:
         print(f"{width:>6} {parts:>5}  {name:<11} {ms:>8.1f} {gbs:>6.2f} {ratio:>7.2f}x")
@@ -192,6 +194,7 @@ def main() -> None:
     ap.add_argument("--part-tokens", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--code", help="with --parts: also the writer of this checkout")
+    ap.add_argument("--storage", default="zarr", choices=["zarr", "hdf5"], help="with --parts: the store's backend")
     ap.add_argument("--parts-child", nargs=3, type=int, help=argparse.SUPPRESS)
     ap.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--target", default="data/target")
@@ -202,7 +205,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.parts_child:
         width, part_tokens, parts = args.parts_child
-        print(json.dumps(parts_child(width, part_tokens, parts, 4096, args.raw)))
+        print(json.dumps(parts_child(width, part_tokens, parts, 4096, args.raw, args.storage)))
         return
     if args.parts:
         parts_bench(args)
