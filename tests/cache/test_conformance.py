@@ -189,6 +189,31 @@ def test_a_streamed_part_stopped_midway_is_not_committed(where):
     expect_equal(CacheReader(url, options), parts)
 
 
+def test_another_process_sees_a_part_committed_only_once_its_commit_is_done(where):
+    """What a trainer asks while capture ranks write (fill_ranks.RanksFill): one part at a time, through
+    a store object of its own, never true for a part still being written."""
+    from deepspec.cache.backends.readers import open_cache
+
+    kind, url, options = where
+    first, second = (make_part(f"p{i:06d}", i + 1, samples=4) for i in range(2))
+    w = CacheWriter(url, manifest(kind), options)
+    reader = open_cache(url, options)
+    assert not reader.part_committed(first.name)
+    feed = w.stream(PartData(first.name, first.sample_ids, first.lengths, first.input_ids, first.loss_mask))
+    feed.put({k: (bits[:5], scale) for k, (bits, scale) in first.hidden.items()})
+    time.sleep(0.2)  # the rows handed over so far reach the part's files
+    assert not reader.part_committed(first.name)
+    feed.put({k: (bits[5:], scale) for k, (bits, scale) in first.hidden.items()})
+    feed.close()
+    deadline = time.time() + 60
+    while not reader.part_committed(first.name):
+        assert time.time() < deadline
+        time.sleep(0.02)
+    assert first.name in w.committed_parts() and not reader.part_committed(second.name)
+    w.close()
+    w.release()
+
+
 def test_an_s3_shard_larger_than_an_upload_block_is_a_create_only_multipart_upload(moto, monkeypatch):
     """A streamed shard goes to S3 as it is written, block by block (the reference's 5.4 GB hidden
     shards exceed S3's 5 GB single PUT); completing the upload is conditional, so a shard that

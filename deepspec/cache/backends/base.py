@@ -177,6 +177,11 @@ class CacheStore(ABC):
     def committed_parts(self) -> dict[str, dict]:
         """Committed part name -> {"samples", "tokens", "rank", ...}, by name."""
 
+    def part_committed(self, name: str) -> bool:
+        """Part `name` is committed (readable from now on), asked of that part alone (a reader waiting
+        for another process's commit asks this, not for the listing of a large store)."""
+        return name in self.committed_parts()
+
     # ---- reading -----------------------------------------------------------------------------
     @abstractmethod
     def layout(self, part: PartEntry, array: str) -> ArrayLayout | None:

@@ -124,6 +124,13 @@ class HDF5Store(CacheStore):
         return f"{INDEX_DIR}/{name}{SUFFIX}"
 
     # ---- listing -----------------------------------------------------------------------------
+    def part_committed(self, name: str) -> bool:
+        path = self.key_path(f"parts/{name}{SUFFIX}")  # the name exists only after a commit
+        if not self.remote:
+            return os.path.exists(path)
+        self.fs.invalidate_cache(path)
+        return self.fs.exists(path)
+
     def committed_parts(self) -> dict[str, dict]:
         out = {}
         for entry in self.list_dir("parts"):

@@ -112,15 +112,23 @@ class ZarrStore(CacheStore):
         return dict(sorted(self.part_marks().items()))
 
     def computed_by(self, name: str) -> str | None:
+        got = self._part_attrs(name).get("computed_by")
+        return None if got is None else str(got)
+
+    def part_committed(self, name: str) -> bool:
+        return bool(self._part_attrs(name).get("committed"))
+
+    def _part_attrs(self, name: str) -> dict:
+        """Part `name`'s group attributes (its commit record), {} when it has none yet: one small read."""
         from zarr.core.buffer import default_buffer_prototype
         from zarr.core.sync import sync
 
-        buf = sync(self.root.store.get(f"parts/{name}/zarr.json", prototype=default_buffer_prototype()))
         try:
-            got = (json.loads(buf.to_bytes()).get("attributes") or {}).get("computed_by") if buf is not None else None
-        except (ValueError, AttributeError):
-            return None
-        return None if got is None else str(got)
+            buf = sync(self.root.store.get(f"parts/{name}/zarr.json", prototype=default_buffer_prototype()))
+            got = json.loads(buf.to_bytes()).get("attributes") if buf is not None else None
+        except (OSError, ValueError, AttributeError):
+            return {}
+        return got if isinstance(got, dict) else {}
 
     # ---- reading -----------------------------------------------------------------------------
     def _inside(self, path: str) -> None:
