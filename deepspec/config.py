@@ -125,7 +125,7 @@ class CacheConfig:
     # a conversation over max_length tokens: cut after the last whole answer that fits, cut at exactly
     # max_length (mid-answer), or dropped
     overlong: Literal["cut_turn", "truncate", "drop"] = "cut_turn"
-    # a row whose answer was cut by sampling.max_tokens: keep it (that end of turn gets no loss) or drop it
+    # an answer cut by sampling.max_tokens: keep the row (that end of turn gets no loss) or drop it
     truncated: Literal["keep", "drop"] = "keep"
     batch_tokens: Annotated[Int, Field(ge=64)] = 8192
     part_tokens: Annotated[Int, Field(ge=1)] = 65536
@@ -133,8 +133,7 @@ class CacheConfig:
     chunk_tokens: Annotated[Int, Field(ge=1)] = 64
     storage_options: dict[Str, Any] = field(default_factory=dict)
     threads: Annotated[Int, Field(ge=0)] = 0
-    # multi-rank: how long a collective (the index shares, the store snapshot, the barriers) waits for
-    # the slowest rank before the job fails; raise it for inputs whose share takes a rank longer
+    # multi-rank: how long a collective (index shares, store snapshot, barriers) waits for the slowest rank
     collective_timeout_s: Annotated[Int, Field(ge=10)] = 1800
     # where a store of new content may be derived from instead of running the target
     # (deepspec.cache.build.derive): "" = the store at a local url / the lake's other stores; a path or
@@ -182,8 +181,7 @@ class TrainConfig:
     checkpoint_every: Annotated[Int, Field(ge=1)] = 500
     keep_checkpoints: Annotated[Int, Field(ge=1)] = 2
     num_workers: Annotated[Int, Field(ge=0)] = 0
-    # cache on S3: byte-range requests the loader keeps in flight (a batch's arrays, cut to 4 MB);
-    # one stream gives ~50-100 MB/s, a GPU training a Qwen3-4B draft reads ~1 GB/s
+    # cache on S3: byte-range requests the loader keeps in flight (a batch's arrays, cut to 4 MB)
     read_ahead: Annotated[Int, Field(ge=1)] = 16
     # cache on S3: a local directory the parts' arrays are downloaded into whole, each once, and read
     # from (deepspec/cache/read/mirror.py); "" reads byte ranges of the store. Bounded by mirror_gb
@@ -198,8 +196,10 @@ class TrainConfig:
     # 0: each epoch a random order of all samples; W: the parts in a random order W at a time, samples
     # shuffled within (a mirror of a store too large for local disk; a read-through run's first steps)
     window_parts: Annotated[Int, Field(ge=0)] = 0
-    # read-through: the cache stage only plans; train writes each part before it first reads it (fill.py)
+    # read-through: the cache stage only plans; train writes each part before it first reads it (fill.py),
+    # in the training process or, under torchrun, on the last `capture_ranks` ranks (fill_ranks.py)
     capture: Literal["offline", "read-through"] = "offline"
+    capture_ranks: Annotated[Int, Field(ge=0)] = 0
     seed: Annotated[Int, Field(ge=0)] = 0
     threads: Annotated[Int, Field(ge=0)] = 0
     # multi-rank: how long a collective waits for the slowest rank (rank 0 alone reads the corpus for

@@ -69,7 +69,7 @@ def test_the_distributed_set_up_is_made_in_one_place_and_every_torchrun_stage_us
     for stage in ("cache", "train"):
         tree = ast.parse((REPO / "stages" / f"{stage}.py").read_text())
         assert any(isinstance(n, ast.ImportFrom) and n.module == "deepspec.distributed" and
-                   [a.name for a in n.names] == ["launch"] for n in ast.walk(tree)), stage
+                   "launch" in [a.name for a in n.names] for n in ast.walk(tree)), stage
     for stage in ("eval", "regen"):  # one process each: the process's accelerator
         assert "local_device()" in (REPO / "stages" / f"{stage}.py").read_text(), stage
 

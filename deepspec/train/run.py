@@ -13,6 +13,7 @@ import torch
 from deepspec import distributed
 from deepspec.config import ConfigError, TrainConfig, to_dict
 from deepspec.cache.build.fill import StoreFill
+from deepspec.cache.build.fill_ranks import RanksFill
 from deepspec.io import fingerprint, write_json
 from deepspec.loader.dataset import TargetCacheDataset
 from deepspec.models.draft import DraftConfig, DraftModel
@@ -133,7 +134,7 @@ def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path, vocab_count
 # one is refused, see Trainer.restore).
 RESUME_NEUTRAL = ("steps", "checkpoint_every", "keep_checkpoints", "num_workers", "read_ahead", "mirror", "mirror_gb",
                   "state_url", "state_storage_options", "threads", "launcher", "layers", "collective_timeout_s",
-                  "capture")
+                  "capture", "capture_ranks")
 
 
 def distinct_token_ids(dataset) -> np.ndarray:
@@ -163,11 +164,12 @@ def resume_fingerprint(cfg: TrainConfig, layers: list[int], target_id: str, mani
 def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_dir: Path, out_dir: Path,
                   state_dir: StateDir | Path, storage_options: dict | None = None, rank: int = 0, world: int = 1,
                   device: torch.device | None = None, manifest: dict | None = None,
-                  fill: StoreFill | None = None) -> Trainer:
+                  fill: StoreFill | RanksFill | None = None, group=None) -> Trainer:
     """`manifest`: the cache stage's recorded manifest; the trainer reads exactly the parts it lists.
     `state_dir`: where resume state lives (a local path, or a StateDir of any fsspec URL). `fill`: a
-    read-through run's store fill (cache/build/fill.py): the store is read as it plans it, each batch
-    once its parts are committed, and `cache_url`/`manifest` are not used."""
+    read-through run's store fill (cache/build/fill.py, or fill_ranks.py with capture ranks): the store
+    is read as it plans it, each batch once its parts are committed, and `cache_url`/`manifest` are not
+    used. `group`: the trainers' process group of `world` ranks (None: the default group)."""
     device = device or torch.device("cpu")
     identity = load_identity(target_dir)
     where: dict = {"manifest": manifest}
@@ -192,7 +194,7 @@ def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_di
         if rank == 0:  # one pass over the corpus's tokens, on one rank; the others get its result
             counts = loss_token_counts(corpus(("input_ids", "loss_mask")))
         if world > 1:
-            counts = distributed.share(counts, device)
+            counts = distributed.share(counts, device, group)
 
     def cache_ids() -> np.ndarray:  # only read when no cheaper rule finds a mask token
         return distinct_token_ids(corpus(("input_ids",)))
@@ -209,17 +211,17 @@ def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_di
         # for unused ones after each backward
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=False,
-            broadcast_buffers=False)
+            broadcast_buffers=False, process_group=group)
     fp = resume_fingerprint(cfg, layers, identity["id"], dataset.manifest)
     # dvclive starts a fresh curve unless the trainer resumes (then it keeps the steps up to the checkpoint)
     callbacks = [ProgressBar(), DvcLiveMetrics(out_dir / "live"), JsonMetrics(out_dir / "metrics.json")]
-    trainer = Trainer(model, dataset, cfg, state_dir, fp, callbacks, rank, world, device, ddp)
+    trainer = Trainer(model, dataset, cfg, state_dir, fp, callbacks, rank, world, device, ddp, group)
     if fill is not None:
         read_through(trainer, fill)
     return trainer
 
 
-def read_through(trainer: Trainer, fill: StoreFill) -> None:
+def read_through(trainer: Trainer, fill: StoreFill | RanksFill) -> None:
     """Have `fill` write the parts the store lacks in the order the first epoch reads them (window by
     window with train.window_parts), and the trainer's sampler hand out a batch only once its parts
     are committed. The order is the sampler's, a function of the plan and the seed, so the draft is
@@ -231,7 +233,7 @@ def read_through(trainer: Trainer, fill: StoreFill) -> None:
     trainer.loader_context = lambda: None if fill.idle() else "forkserver"
 
 
-def capture_counts(cfg: TrainConfig, trainer: Trainer, fill: StoreFill | None) -> dict:
+def capture_counts(cfg: TrainConfig, trainer: Trainer, fill: StoreFill | RanksFill | None) -> dict:
     """The train stage's metrics of what it captured beside what it read (without a fill the run
     reads every part of the store and captures nothing)."""
     if fill is not None:
@@ -243,12 +245,12 @@ def capture_counts(cfg: TrainConfig, trainer: Trainer, fill: StoreFill | None) -
 def run_training(cfg: TrainConfig, layers: list[int], cache_url: str, target_dir: Path, draft_dir: Path,
                  out_dir: Path, state_dir: StateDir | Path, storage_options: dict | None = None, rank: int = 0,
                  world: int = 1, device: torch.device | None = None, manifest: dict | None = None,
-                 fill: StoreFill | None = None) -> dict:
-    """`fill` (train.capture: read-through): see build_trainer; the store is finished (every planned
-    part, the root switched to the plan) after the last step, before the draft is saved."""
+                 fill: StoreFill | RanksFill | None = None, group=None) -> dict:
+    """`fill` (train.capture: read-through) and `group`: see build_trainer; the store is finished (every
+    planned part, the root switched to the plan) after the last step, before the draft is saved."""
     try:
         trainer = build_trainer(cfg, layers, cache_url, target_dir, out_dir, state_dir, storage_options, rank, world,
-                                device, manifest, fill)
+                                device, manifest, fill, group)
         final = trainer.fit()
         if fill is not None:
             fill.finish()

@@ -54,7 +54,7 @@ class TrainState:
 class Trainer:
     def __init__(self, model, dataset, cfg: TrainConfig, state_dir: StateDir | Path, fingerprint: str,
                  callbacks=(), rank: int = 0, world_size: int = 1, device: torch.device | None = None,
-                 ddp_model=None):
+                 ddp_model=None, group=None):
         self.model = model                      # the DraftModel (saved, checkpointed)
         self.module = ddp_model or model        # what forward/backward run through (DDP wrapper or model)
         self.dataset = dataset
@@ -63,6 +63,7 @@ class Trainer:
         self.fingerprint = fingerprint
         self.callbacks = list(callbacks)
         self.rank, self.world_size = rank, world_size
+        self.group = group  # the trainers' process group (None: every rank of the launch trains)
         self.device = device or torch.device("cpu")
         self.state = TrainState()
         self.data_wait_s = 0.0     # time this rank spent waiting for its next batch (of `fit`)
@@ -210,7 +211,7 @@ class Trainer:
                         "once this run saves a checkpoint", beyond, self.cfg.steps, name)
 
     def _broadcast(self, obj):
-        return obj if self.world_size == 1 else distributed.share(obj, self.device)
+        return obj if self.world_size == 1 else distributed.share(obj, self.device, self.group)
 
     def _log_horizon_change(self, old_steps: int) -> None:
         if old_steps == self.cfg.steps:
@@ -241,7 +242,7 @@ class Trainer:
         return path
 
     def _gather(self, obj):
-        return [obj] if self.world_size == 1 else distributed.gather(obj, self.device)
+        return [obj] if self.world_size == 1 else distributed.gather(obj, self.device, self.group)
 
     # ---- the loop ------------------------------------------------------------------------------
     def batches(self):
@@ -266,7 +267,7 @@ class Trainer:
         """The sum of every rank's loss weight of this step (a tensor on the device: no read-back)."""
         if self.world_size > 1:
             local = local.clone()
-            torch.distributed.all_reduce(local)
+            torch.distributed.all_reduce(local, group=self.group)
         return local
 
     def fit(self) -> dict:
@@ -365,7 +366,7 @@ class Trainer:
         rows = local[None]
         if self.world_size > 1:
             total = local.clone()
-            torch.distributed.all_reduce(total)
+            torch.distributed.all_reduce(total, group=self.group)
             rows = torch.stack([local, total / self.world_size])
         read = rows.tolist()  # the step's one read-back
         mine, mean = read[0], read[-1]

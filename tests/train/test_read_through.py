@@ -24,7 +24,7 @@ from deepspec.cache.read.reader import CacheReader
 from deepspec.config import CacheConfig, TrainConfig
 from deepspec.train.run import run_training
 from tests.cache.test_cache import LAYERS, workdir
-from tests.cache.test_derive import store_files
+from tests.cache.test_derive import store_files, store_files_any_rank
 from tests.conftest import REPO, project_env
 from tests.train.test_train import FAST
 
@@ -255,8 +255,8 @@ def test_the_fill_plans_from_the_index_the_cache_stage_kept_when_it_is_of_this_v
 
 # ---- the stages, killed -----------------------------------------------------------------------------
 
-def stage_dir(root: Path, target: Path, **train) -> Path:
-    work = workdir(root, target)
+def stage_dir(root: Path, target: Path, rows=None, **train) -> Path:
+    work = workdir(root, target, rows)
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["layers"] = LAYERS
     params["cache"].update(CACHE)
@@ -312,3 +312,79 @@ def test_sigkill_of_a_read_through_run_at_random_moments_loses_nothing_and_train
     assert final["parts_kept"] == kept[-1] and final["parts_kept"] + final["parts_computed"] == parts
     assert same_weights(clean / "data" / "draft", crash / "data" / "draft")
     assert store_files(str(clean / "data" / "cache.zarr")) == store_files(str(store))
+
+
+# ---- capture ranks under torchrun ---------------------------------------------------------------------
+
+def _rank_of(pid: int) -> int | None:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next((int(v.split(b"=", 1)[1]) for v in env if v.startswith(b"RANK=")), None)
+
+
+@pytest.mark.slow
+def test_capture_ranks_train_the_in_process_draft_and_a_kill_9_of_either_role_loses_nothing(tmp_path,
+                                                                                            trained_target):
+    """torchrun with 2 processes and train.capture_ranks: 1: rank 1 captures, rank 0 trains. kill -9 of
+    the trainer after a checkpoint, then of the capture rank while it writes parts, then a rerun with
+    two capture ranks: no committed part is computed again, and the draft and the store equal the
+    one-process read-through run's (which equals offline)."""
+    from tests.conftest import SAMPLE_CONVERSATIONS
+    from tests.train.test_resume import _torchrun
+    from deepspec.cache.backends.readers import open_cache
+    from deepspec.data.servers import free_port
+
+    env = project_env(REPO, DEEPSPEC_LOG="WARNING")
+
+    def one_thread(work: Path) -> Path:  # as torchrun sets it (a CPU's threads are in the store's name)
+        params = yaml.safe_load((work / "params.yaml").read_text())
+        params["cache"].update(threads=1, part_tokens=200)
+        (work / "params.yaml").write_text(yaml.safe_dump(params))
+        return work
+
+    # 244 conversations of two exchanges: the first epoch is the whole run, so the trainer waits for
+    # parts throughout and the kills land while the capture rank still has parts to write
+    rows = [{"id": f"{k:016x}", "conversations": SAMPLE_CONVERSATIONS[i] + SAMPLE_CONVERSATIONS[(i + j) % 61]}
+            for k, (i, j) in enumerate((i, j) for j in range(1, 5) for i in range(61))]
+    clean = one_thread(stage_dir(tmp_path / "clean", trained_target, rows, steps=60, threads=1))
+    run_stage(clean, "cache", env)
+    run_stage(clean, "train", env)
+    parts = json.loads((clean / "data" / "train" / "metrics.json").read_text())["parts_computed"]
+    ranks = one_thread(stage_dir(tmp_path / "ranks", trained_target, rows, steps=60, threads=1, capture_ranks=1))
+    run_stage(ranks, "cache", env)
+    store, state = ranks / "data" / "cache.zarr", ranks / "data" / "train_state"
+
+    def committed() -> int:
+        return len(open_cache(str(store)).committed_parts()) if (store / "zarr.json").exists() else 0
+
+    rng = random.Random(int(os.environ.get("DEEPSPEC_TEST_SEED", "0")))
+    # the trainer once it has saved a checkpoint, then the capture rank while it writes parts
+    kept = [0]
+    moments = [(0, lambda: state.exists() and any(state.glob("ckpt-*/meta.json"))),
+               (1, lambda: committed() >= kept[-1] + 2)]
+    for rank, ready in moments:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), str(REPO / "stages" / "train.py")]
+        proc = subprocess.Popen(cmd, cwd=ranks, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 300
+        while time.time() < deadline and not ready() and proc.poll() is None:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.05))
+        assert proc.poll() is None, f"the run ended before it could be killed ({kept}):\n" + proc.stdout.read()[-4000:]
+        workers = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        victim = next(p for p in workers if _rank_of(p) == rank)
+        os.kill(victim, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)  # torchrun ends the other rank and fails
+        assert proc.returncode != 0, out[-3000:]
+        kept.append(committed())
+    assert 0 < kept[1] < kept[2] < parts  # the rerun still has parts to capture
+    params = yaml.safe_load((ranks / "params.yaml").read_text())
+    params["train"]["capture_ranks"] = 2  # the rest on two capture ranks: the same one trainer resumes
+    (ranks / "params.yaml").write_text(yaml.safe_dump(params))
+    proc = _torchrun(ranks, env, timeout=600, nproc=3)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    final = json.loads((ranks / "data" / "train" / "metrics.json").read_text())
+    assert final["parts_kept"] == kept[-1] and final["parts_kept"] + final["parts_computed"] == parts
+    assert same_weights(clean / "data" / "draft", ranks / "data" / "draft")
+    # a part's commit record names the rank that wrote it: here capture rank 0 or 1
+    assert store_files_any_rank(str(clean / "data" / "cache.zarr")) == store_files_any_rank(str(store))
+    assert dict(CacheReader(str(clean / "data" / "cache.zarr")).manifest) == dict(CacheReader(str(store)).manifest)

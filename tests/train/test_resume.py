@@ -28,7 +28,7 @@ from tests.train.test_train import FAST, _stage_dir, losses, train
 # (`layers` counts through the resolved layer list, passed on its own)
 RESUME_NEUTRAL = {"steps", "checkpoint_every", "keep_checkpoints", "num_workers", "read_ahead", "mirror", "mirror_gb",
                   "state_url", "state_storage_options", "threads", "launcher",
-                  "layers", "collective_timeout_s", "capture"}
+                  "layers", "collective_timeout_s", "capture", "capture_ranks"}
 
 
 def _other(name: str, value, tp):

@@ -205,11 +205,7 @@ class StoreFill(FillHooks):
         of the calling thread: what the store holds, for what needs every sample's tokens before its
         first step (EAGLE-3's vocabulary, a mask token), without waiting for the store to fill."""
         self.plan()
-        index, plan, rules = self._inputs
-        for _, samples in part_samples(load_tokenizer(self.target_dir), index, plan, rules):
-            for s in samples:
-                yield {"input_ids": torch.tensor(s.input_ids, dtype=torch.int32),
-                       "loss_mask": torch.tensor(s.loss_mask, dtype=torch.uint8)}
+        return planned_samples(self.target_dir, *self._inputs)
 
     def finish(self) -> dict:
         """Training is over: let the build switch the root to the plan (after writing any part training
@@ -229,8 +225,22 @@ class StoreFill(FillHooks):
 
     def counts(self) -> dict:
         """What this run captured, for the train stage's metrics (finish() first)."""
-        r = self.report or {}
-        derive = r.get("derive") or {}
-        return {"target_forwards": int(r.get("target_forwards", 0)),
-                "parts_computed": int(derive.get("parts_computed", 0)), "parts_derived": int(derive.get("parts_derived", 0)), "parts_kept": int(r.get("parts_kept", 0)),
-                "tokens_computed": int(r.get("tokens_computed", 0)), "wait_for_parts_s": round(self.wait_s, 2)}
+        return report_counts(self.report, self.wait_s)
+
+
+def report_counts(report: dict | None, wait_s: float) -> dict:
+    """The train stage's capture metrics of a build's report (build_cache's), and the trainer's wait."""
+    r = report or {}
+    derive = r.get("derive") or {}
+    return {"target_forwards": int(r.get("target_forwards", 0)), "parts_computed": int(derive.get("parts_computed", 0)),
+            "parts_derived": int(derive.get("parts_derived", 0)), "parts_kept": int(r.get("parts_kept", 0)),
+            "tokens_computed": int(r.get("tokens_computed", 0)), "wait_for_parts_s": round(wait_s, 2)}
+
+
+def planned_samples(target_dir: Path, index, plan, rules):
+    """Every planned sample's tokens ({"input_ids": int32, "loss_mask": uint8} tensors), part by part in
+    plan order, encoded from the regen file the index was made of, by the plan's rules (FillHooks.inputs)."""
+    for _, samples in part_samples(load_tokenizer(target_dir), index, plan, rules):
+        for s in samples:
+            yield {"input_ids": torch.tensor(s.input_ids, dtype=torch.int32, device="cpu"),
+                   "loss_mask": torch.tensor(s.loss_mask, dtype=torch.uint8, device="cpu")}

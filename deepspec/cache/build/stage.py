@@ -193,12 +193,10 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
     `report["url"]` is the store written). Multi-rank: `share(value)` returns rank 0's value on every
     rank (the job's lease run id, the derivation, the store snapshot) and `gather(value)` every rank's
     value, in rank order, on every rank (the index shares, the counts); both also synchronise the ranks.
-    `hooks` (one rank only): a read-through run's view of the build (FillHooks). `index_from` (one rank
-    only): a RowIndex plan_cache kept, used when it was made from this very input."""
+    `hooks`: a read-through run's view of the build (FillHooks; on several ranks each takes every
+    world-th part of the order rank 0's hook returns). `index_from`: a RowIndex plan_cache kept, used
+    (read by rank 0, shared) when it was made from this very input."""
     from deepspec.cache.build.derive import Derivation, follow, prepare
-
-    if (hooks is not None or index_from is not None) and world > 1:
-        raise ValueError("a build with fill hooks or a kept index runs on one rank")
 
     t0 = time.time()
     device = device or torch.device("cpu")
@@ -247,10 +245,12 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
                 derivation = follow(url, plan, cfg.storage_options, manifest)
                 writer = CacheWriter(derivation.write_url, manifest, cfg.storage_options, rank=rank, run_id=run_id)
         index = None
-        if index_from is not None:
+        if index_from is not None and rank == 0:
             index = load_index(index_from, regen_path, index_key(regen_path, EncodeRules.of(cfg), ident))
             log.info("cache: %s", f"the input's index kept at {index_from}" if index is not None else
                      f"no index of this input at {index_from}: indexing {regen_path}")
+        if index_from is not None and world > 1:
+            index = share(index)
         report = _build(writer, cfg, layers, regen_path, ident, tokenizer, get_model, pad_id, device,
                         rank, world, share, gather, derivation.source, hooks or FillHooks(), index)
         writer.release()
@@ -340,7 +340,7 @@ def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path:
     # rank and takes no target forward, and no rank derives while another computes everything
     kinds = [t for t in todo if t[0] in derivable], [t for t in todo if t[0] not in derivable]
     mine = [t for kind in kinds for t in kind[rank * len(kind) // world:(rank + 1) * len(kind) // world]] \
-        if order is None else todo  # a fill (one rank) writes in the order its reader needs the parts
+        if order is None else todo[rank::world]  # a fill writes in the order its reader needs the parts
     log.info("cache: %d rows, %d usable, %d parts planned: %d already in the store (%d samples), %d to write "
              "(%d on this rank)", index.rows, len(index.lengths), len(plan), len(plan) - len(todo), cached,
              len(todo), len(mine))
