@@ -8,6 +8,10 @@ through, in order:
 - offline: the cache stage's build of a new store, then training on it;
 - read-through: the cache stage's plan, then training on a new store that the run fills
   (cache/build/fill.py), capture on a thread of the training process;
+- read-through with one capture rank: the same under torchrun with 2 processes, rank 1 capturing
+  (cache/build/fill_ranks.py) and rank 0 training; its times count from the launch, so they include
+  the two processes' start-up (imports, the target and the draft loaded again). On a GPU it needs
+  two (NCCL puts no two ranks on one GPU);
 - a second experiment (half the learning rate) in each mode, on the store its first one left (the
   read-through one as stages/train.py runs it: the store is full, so it is read as offline);
 - capture alone against capture with its write-back: every planned part's forward passes with the
@@ -15,12 +19,17 @@ through, in order:
   three interleaved pairs (the overhead is the median of the pairs' ratios).
 Prints per target: time to the first optimizer step and wall time of each run, the target forwards
 each ran, the write-back's cost over capture alone, the data-wait fraction of each second experiment
-(the store full), and whether the two first drafts are equal (bit for bit on a CPU).
+(the store full), and whether the first drafts are equal (bit for bit on a CPU). The capture-rank
+run's draft is trained in another process: on a CPU with more than one thread, two processes that
+train the same draft on the same store differ in the last bits (an offline run in a fresh process
+does too), and on a CPU each of its processes runs on half the threads; its draft is compared only
+on a GPU (tests/train/test_read_through.py checks it bit for bit on a CPU, with one thread).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -79,6 +88,70 @@ def train(work: Path, name: str, cfg, layers, target: Path, device, clock, t0: f
     return {"first_step_s": round(first.at - t0, 2), "wall_s": round(end - t0, 2),
             "target_forwards": counts["target_forwards"], "data_wait_fraction": final["data_wait_fraction"],
             "tokens": final["tokens"]}
+
+
+class WallClock(gpu_check.Clock):
+    """Seconds since the epoch (after the device's queue drains): comparable across processes."""
+
+    def now(self) -> float:
+        super().now()
+        return time.time()
+
+
+def ranks_child(spec_path: Path) -> int:
+    """One process of the capture-rank run (under torchrun, 2 processes): rank 1 captures, rank 0
+    trains and writes its result beside the spec."""
+    from deepspec.cache.build.fill_ranks import RanksFill, capture
+    from deepspec.config import CacheConfig, TrainConfig
+    from deepspec.distributed import launch, split
+
+    spec = json.loads(spec_path.read_text())
+    torch.set_num_threads(spec["threads"])  # the parent's: a CPU's thread count is in the store's name
+    work, target, regen, layers = Path(spec["work"]), Path(spec["target"]), Path(spec["regen"]), spec["layers"]
+    with launch(600) as d:
+        roles = split(d, 1, 3600)
+        if roles.capturing:
+            capture(CacheConfig(**spec["cache"]), layers, regen, target, roles, spec["recorded"], "the plan",
+                    work / "index.npz")
+            return 0
+        fill = RanksFill(roles, target)
+        fill.plan()
+        device = roles.own.device
+        res = train(work, "ranks", TrainConfig(**spec["train"]), layers, target, device, WallClock(device),
+                    spec["t0"], fill=fill)
+        res["wait_for_parts_s"] = fill.counts()["wait_for_parts_s"]
+        (work / "ranks.json").write_text(json.dumps(res))
+    return 0
+
+
+def ranks_run(work: Path, cache, cfg, layers, regen: Path, target: Path, device) -> dict | None:
+    """train.capture_ranks: 1 as the train stage runs it: a plan, then torchrun with 2 processes. On a
+    CPU each process gets its share of this process's threads (the two roles split the cores, as they
+    split GPUs); a CPU's thread count is in the store's name, so the plan is made with that share."""
+    import dataclasses
+    import subprocess
+
+    from deepspec.cache.build.stage import plan_cache
+    from deepspec.data.servers import free_port
+
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        return None
+    threads = torch.get_num_threads()
+    share = max(1, threads // 2) if device.type == "cpu" else threads
+    cache = dataclasses.replace(cache, url=str(work / "ranks.zarr"))
+    torch.set_num_threads(share)
+    try:
+        recorded = plan_cache(cache, layers, regen, target, device, keep_index=work / "index.npz")["manifest"]
+    finally:
+        torch.set_num_threads(threads)
+    spec = work / "ranks-spec.json"
+    spec.write_text(json.dumps({"work": str(work), "target": str(target), "regen": str(regen), "layers": layers,
+                                "cache": dataclasses.asdict(cache), "train": dataclasses.asdict(cfg),
+                                "recorded": recorded, "threads": share, "t0": time.time()}))
+    env = dict(os.environ, OMP_NUM_THREADS=str(share))
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                    str(free_port()), __file__, "--ranks-child", str(spec)], check=True, env=env)
+    return dict(json.loads((work / "ranks.json").read_text()), threads=share)
 
 
 def capture_cost(work: Path, cache_cfg, layers, regen: Path, target: Path, device, clock) -> dict:
@@ -165,6 +238,9 @@ def bench(kind: str, target: Path, root: Path, size: dict, args, device, clock) 
     check_plan(fill.plan(), recorded, "the plan")
     res["read_through"] = train(work, "read_through", dataclasses.replace(cfg, capture="read-through"), layers,
                                 target, device, clock, t0, fill=fill)
+    res["read_through_ranks"] = ranks_run(work, cache, dataclasses.replace(cfg, capture="read-through",
+                                                                           capture_ranks=1),
+                                          layers, regen, target, device)
     t0 = clock.now()
     res["offline_2nd"] = train(work, "offline_2nd", second, layers, target, device, clock, t0,
                                url=str(work / "offline.zarr"))
@@ -176,6 +252,8 @@ def bench(kind: str, target: Path, root: Path, size: dict, args, device, clock) 
                                     layers, target, device, clock, t0, url=full["url"])
     res["capture"] = capture_cost(work, cache, layers, regen, target, device, clock)
     res["same_draft"] = same_draft(work / "draft-offline", work / "draft-read_through")
+    if res["read_through_ranks"] is not None and res["read_through_ranks"]["threads"] == torch.get_num_threads():
+        res["same_draft_ranks"] = same_draft(work / "draft-offline", work / "draft-ranks")
     res["parts"] = len(json.loads((work / "offline.zarr" / "zarr.json").read_text())["attributes"]["parts"])
     res["samples"], res["layers"] = len(rows), layers
     return res
@@ -187,7 +265,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--window-parts", type=int, default=2)
     ap.add_argument("--only", choices=["tiny", "wide"], help="one target only")
+    ap.add_argument("--ranks-child", type=Path, help=argparse.SUPPRESS)  # a process of ranks_run's torchrun
     args = ap.parse_args()
+    if args.ranks_child:
+        return ranks_child(args.ranks_child)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     size = SIZES[device.type]
     clock = gpu_check.Clock(device)
@@ -205,14 +286,21 @@ def main() -> int:
             print(f"\n{kind}: {r['samples']} samples, {r['parts']} parts, layers {r['layers']}, {args.steps} steps, "
                   f"window_parts {args.window_parts}, {device.type}")
             print(f"{'run':<22}{'first step s':>14}{'wall s':>10}{'target forwards':>17}{'data wait':>11}")
-            for run in ("offline", "read_through", "offline_2nd", "read_through_2nd"):
+            for run in ("offline", "read_through", "read_through_ranks", "offline_2nd", "read_through_2nd"):
                 x = r[run]
+                if x is None:
+                    print(f"{run:<22}(needs 2 GPUs)")
+                    continue
                 print(f"{run:<22}{x['first_step_s']:>14}{x['wall_s']:>10}{x['target_forwards']:>17}"
                       f"{x['data_wait_fraction']:>11}")
             c = r["capture"]
             print(f"capture alone {c['capture_alone_s']} s, with write-back {c['capture_written_s']} s: "
                   f"overhead {100 * c['writeback_overhead']:.1f} %")
-            print(f"read-through draft equals offline draft: {r['same_draft']}")
+            print(f"read-through draft equals offline draft: {r['same_draft']}"
+                  + (f"; with a capture rank: {r['same_draft_ranks']}" if "same_draft_ranks" in r else ""))
+            if r["read_through_ranks"] is not None:
+                print(f"FIGURE {kind}.ranks_first_step_ratio = "
+                      f"{r['read_through_ranks']['first_step_s'] / r['offline']['first_step_s']:.3f}")
             ratio = r["read_through"]["first_step_s"] / r["offline"]["first_step_s"]
             print(f"FIGURE {kind}.first_step_ratio = {ratio:.3f}")
             print(f"FIGURE {kind}.second_forwards = {r['read_through_2nd']['target_forwards']}")
