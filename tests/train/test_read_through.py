@@ -388,3 +388,52 @@ def test_capture_ranks_train_the_in_process_draft_and_a_kill_9_of_either_role_lo
     # a part's commit record names the rank that wrote it: here capture rank 0 or 1
     assert store_files_any_rank(str(clean / "data" / "cache.zarr")) == store_files_any_rank(str(store))
     assert dict(CacheReader(str(clean / "data" / "cache.zarr")).manifest) == dict(CacheReader(str(store)).manifest)
+
+
+def _capture_rank_fails_on_its_third_part(rank: int, port: int, work: Path, recorded: dict, threads: int) -> None:
+    """One process of a 2-rank world (rank 1 captures, rank 0 trains) whose capture runs out of device
+    memory in its third part: the capture rank writes the error it raised next to the store."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    torch.set_num_threads(threads)  # the plan's: a CPU's thread count is in the store's name
+    from deepspec.cache.build import stage
+    from deepspec.cache.build.fill_ranks import RanksFill, capture
+    from deepspec.distributed import launch, split
+
+    real, calls = stage.compute_part, []
+
+    def oom_on_the_third(*args, **kw):  # a device out of memory: no real component does it on demand
+        calls.append(args[1])
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*args, **kw)
+
+    stage.compute_part = oom_on_the_third
+    regen, target = work / "data" / "regen" / "train.jsonl", work / "data" / "target"
+    with launch(120) as d:
+        roles = split(d, 1, 120)
+        if not roles.capturing:  # the trainer takes the plan and gives the order, then leaves
+            fill = RanksFill(roles, target)
+            fill.compute(fill.plan().names)
+            return
+        try:
+            capture(CacheConfig(url=str(work / "data" / "cache.zarr"), **CACHE), LAYERS, regen, target, roles,
+                    recorded, "the plan")
+        except FillError as e:
+            (work / "error.json").write_text(json.dumps({"error": str(e), "calls": calls}))
+
+
+def test_a_failed_capture_rank_stops_naming_the_part_and_the_reason(tmp_path, trained_target):
+    from deepspec.cache.backends.readers import open_cache
+    from deepspec.data.servers import free_port
+
+    work = workdir(tmp_path, trained_target)
+    recorded = plan(work)
+    torch.multiprocessing.spawn(_capture_rank_fails_on_its_third_part, nprocs=2,
+                                args=(free_port(), work, recorded, torch.get_num_threads()))
+    got = json.loads((work / "error.json").read_text())
+    assert len(got["calls"]) == 3
+    assert got["error"].startswith("capture rank 0: the read-through capture of ")
+    assert f"while writing part {got['calls'][2]}: OutOfMemoryError: CUDA out of memory" in got["error"]
+    # the parts before it are committed; never the failed one
+    assert set(open_cache(str(work / "data" / "cache.zarr")).committed_parts()) == set(got["calls"][:2])

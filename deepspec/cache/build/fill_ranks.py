@@ -33,6 +33,7 @@ class CaptureHooks(FillHooks):
 
     def __init__(self, roles: Roles, recorded: dict | None, where: str):
         self.roles, self.recorded, self.where = roles, recorded, where
+        self.current: str | None = None  # the part being written
         self._inputs: tuple | None = None
 
     def inputs(self, index, plan, rules) -> None:
@@ -52,7 +53,11 @@ class CaptureHooks(FillHooks):
             raise FillError(error)
         return self.roles.send(None, 0)
 
+    def before_part(self, name: str) -> None:
+        self.current = name
+
     def filled(self) -> None:
+        self.current = None
         self.roles.meet()
 
 
@@ -60,11 +65,19 @@ def capture(cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir: P
             recorded: dict | None, where: str, index_from: Path | None = None) -> dict:
     """A capture rank's whole run: the store built with the other capture ranks, in the trainers'
     order; returns capture rank 0's report (also sent to every trainer). `recorded`: the manifest the
-    cache stage planned (at `where`), which the plan must equal."""
-    own = roles.own
-    report = build_cache(cfg, layers, regen_path, target_dir, rank=own.rank, world=own.world, device=own.device,
-                         share=own.share if own.multi else None, gather=own.gather if own.multi else None,
-                         hooks=CaptureHooks(roles, recorded, where), index_from=index_from)
+    cache stage planned (at `where`), which the plan must equal. A failure raises FillError naming the
+    part and the reason (the parts committed before it stay)."""
+    own, hooks = roles.own, CaptureHooks(roles, recorded, where)
+    try:
+        report = build_cache(cfg, layers, regen_path, target_dir, rank=own.rank, world=own.world, device=own.device,
+                             share=own.share if own.multi else None, gather=own.gather if own.multi else None,
+                             hooks=hooks, index_from=index_from)
+    except FillError:
+        raise
+    except Exception as e:
+        at = f" while writing part {hooks.current}" if hooks.current else ""
+        raise FillError(f"capture rank {own.rank}: the read-through capture of {regen_path} failed{at}: "
+                        f"{e.__class__.__name__}: {e}") from e
     return roles.send(report if own.rank == 0 else None, roles.capture_root)
 
 
