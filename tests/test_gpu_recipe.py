@@ -157,6 +157,8 @@ class Walk:
             (r"^dvc repro$", self.repro, "as written"),
             (r"^dvc push$", self.push, "to moto"),
             (r"^dvc exp run -S 'layers=\[9,25\]'$", self.exp_run, "as written"),
+            (r"^dvc exp run -S train.capture=read-through .*-S train.capture_ranks=", skip,
+             "needs 8 GPUs: tests/train/test_read_through.py runs capture ranks under torchrun"),
             (r"^dvc exp show ", self.run, "as written"),
             (r"^deepspec cache estimate ", self.run, "as written"),
         ]

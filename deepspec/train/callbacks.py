@@ -1,11 +1,15 @@
 """Trainer callbacks: each hook receives the trainer; none of them changes the optimisation."""
 from __future__ import annotations
 
+import json
+import logging
 import time
 from pathlib import Path
 
 from deepspec.progress import progress
 
+
+log = logging.getLogger(__name__)
 
 TIMINGS = frozenset({"wall_s", "data_wait_fraction"})  # final metrics that depend on the machine, kept to metrics.json
 
@@ -49,17 +53,39 @@ class DvcLiveMetrics(Callback):
         from dvclive import Live
 
         resume = trainer.state.step > 0
+        if resume:
+            self._drop_torn_summary()
         self.live = Live(str(self.directory), resume=resume, save_dvc_exp=False, dvcyaml=None,
                          report=None)
         if resume:
             self._truncate_history(trainer.state.step)
 
+    def _drop_torn_summary(self) -> None:
+        """dvclive rewrites its summary (metrics.json) in place at every step, and reads it back on
+        resume: a run killed in the middle of that write left a file it cannot parse. The summary
+        holds only the latest values (written again at the next step), so a torn one is removed."""
+        summary = self.directory / "metrics.json"
+        try:
+            json.loads(summary.read_text())
+        except FileNotFoundError:
+            pass
+        except ValueError:  # a torn or empty file (UnicodeDecodeError is a ValueError too)
+            log.warning("train: %s was cut off by the interrupted run; it is written again at the next step",
+                        summary)
+            summary.unlink()
+
     def _truncate_history(self, step: int) -> None:
-        """Drop rows logged after the restored checkpoint, so the curve has each step once."""
+        """Drop rows logged after the restored checkpoint, and a last row the interrupted run left
+        half written, so the curve has each step once."""
         for tsv in (self.directory / "plots" / "metrics").rglob("*.tsv"):
             lines = tsv.read_text().splitlines()
-            col = lines[0].split("\t").index("step")
-            keep = [lines[0]] + [ln for ln in lines[1:] if int(ln.split("\t")[col]) <= step]
+            header = lines[0].split("\t")
+            col = header.index("step")
+            keep, last = [lines[0]], 0
+            for row in (ln.split("\t") for ln in lines[1:]):
+                if len(row) == len(header) and all(row) and row[col].isdigit() and last < int(row[col]) <= step:
+                    keep.append("\t".join(row))
+                    last = int(row[col])
             tsv.write_text("\n".join(keep) + "\n")
 
     def on_step_end(self, trainer, metrics: dict) -> None:

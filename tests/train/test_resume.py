@@ -102,6 +102,24 @@ def test_raising_steps_continues_from_the_last_checkpoint_with_the_new_horizon(t
     assert final["steps"] == 40
 
 
+def test_a_run_killed_while_dvclive_wrote_its_files_resumes(tmp_path, small_cache, trained_target, caplog):
+    """kill -9 in the middle of dvclive's per-step writes leaves its summary torn (it is rewritten in
+    place, and dvclive reads it back on resume) and the last row of a curve half written."""
+    train(tmp_path, small_cache, trained_target, steps=20)
+    first = losses(tmp_path)
+    live = tmp_path / "train" / "live"
+    summary = (live / "metrics.json").read_text()
+    (live / "metrics.json").write_text(summary[:len(summary) // 2])
+    tsv = live / "plots" / "metrics" / "train" / "loss.tsv"
+    tsv.write_text(tsv.read_text() + "21\t2.")  # the row after the checkpoint's, cut off
+    caplog.set_level(logging.WARNING)
+    train(tmp_path, small_cache, trained_target, steps=30)
+    assert f"{live / 'metrics.json'} was cut off" in caplog.text
+    curve = losses(tmp_path)
+    assert len(curve) == 30 and curve[:20] == first
+    assert json.loads((live / "metrics.json").read_text())["train"]["loss"] == curve[-1]  # written again
+
+
 def test_a_directory_named_like_a_checkpoint_that_is_not_one_is_named_and_left_alone(tmp_path, small_cache,
                                                                                       trained_target, caplog):
     """The state directory is shared with people: `ckpt-best/` (a copy someone kept) or `ckpt-5/` is
