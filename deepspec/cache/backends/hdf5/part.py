@@ -1,6 +1,7 @@
 """One HDF5 part file written through h5py (docs/cache-format.md §11), complete: every array of the
 part a chunked dataset with Fletcher-32 per chunk, after the Blosc filter when a codec is set; rows
-handed over whole or streamed from a feed through spool files; the file's own chunk table stored
+handed over whole or streamed from a feed (into the file as they come, or, compressed, through spool
+files); the file's own chunk table stored
 inside it as the dataset `chunk_index`, whose byte range and crc32c the caller records.
 HDF5StoreWriter (write.py) commits it; h5.py is what h5py needs to read one back.
 """
@@ -53,12 +54,43 @@ def _spool(arrays: list[ArraySpec], feed, where: str) -> dict:
     return spools
 
 
+def _stream(dsets: dict, shapes: dict, chunk_rows: dict, feed) -> None:
+    """The rows of the streamed datasets `dsets` (name -> h5py dataset, created with their chunks
+    allocated in place), taken from `feed` batch by batch and written where they belong, whole
+    chunks at a time (HDF5 reads a filtered chunk back before a partial write, and these chunks
+    hold nothing yet); the rows of a chunk split between two batches wait in memory."""
+    taken = dict.fromkeys(dsets, 0)
+    carry: dict = dict.fromkeys(dsets)
+    for rows in feed:
+        for name, d in dsets.items():
+            values = np.asarray(rows[name], dtype=d.dtype)
+            if carry[name] is not None:
+                values = np.concatenate([carry[name], values])
+            start = taken[name]
+            end = start + len(values)
+            if end > shapes[name][0]:
+                raise CacheFormatError(f"{end} of {shapes[name][0]} rows fed to the part")
+            whole = end if end == shapes[name][0] else start + (len(values) // chunk_rows[name]) * chunk_rows[name]
+            if whole > start:
+                d[start:whole] = values[:whole - start]
+            carry[name] = values[whole - start:] if whole < end else None
+            taken[name] = whole
+    short = [name for name in dsets if taken[name] != shapes[name][0]]
+    if short:
+        got = taken[short[0]] + (0 if carry[short[0]] is None else len(carry[short[0]]))
+        raise CacheFormatError(f"{got} of {shapes[short[0]][0]} rows fed to the part")
+
+
 def write_part_file(path: str, arrays: list[ArraySpec], attrs: dict, feed=None) -> list[int]:
     """Write one complete part file; returns [offset, nbytes, crc32c] of its chunk table. The rows
-    of arrays without `data` come from `feed` ({name: rows} per batch, in order; _spool)."""
+    of arrays without `data` come from `feed` ({name: rows} per batch, in order): written in place
+    as they come when no array is compressed (every chunk is allocated when its dataset is created,
+    so the file is the one a part handed over whole gives), else through spool files (_spool)."""
     import h5py
 
-    spools = _spool(arrays, feed, os.path.dirname(os.path.abspath(path))) if feed is not None else {}
+    direct = feed is not None and all(spec.codec == "none" for spec in arrays)
+    spools = _spool(arrays, feed, os.path.dirname(os.path.abspath(path))) if feed is not None and not direct else {}
+    streamed: dict = {}
     table: dict[str, dict] = {}
     # v110 objects (HDF5 >= 1.10 reads them): fixed-array chunk indexes and compact headers, a
     # fraction of the v1 B-trees the default "earliest" writes (~2 KB per dataset)
@@ -82,7 +114,9 @@ def write_part_file(path: str, arrays: list[ArraySpec], attrs: dict, feed=None) 
             # track_times off: the same part written twice is byte-identical (resume repeats a build)
             d = f.create_dataset(spec.name, shape=shape, dtype=np.dtype(spec.dtype), data=data, chunks=chunks,
                                  fletcher32=True, track_times=False, dcpl=dcpl, **h5_compression(spec.codec))
-            if data is None and shape[0]:  # from its spool, whole chunks at a time, in row order
+            if data is None and direct:
+                streamed[spec.name] = d
+            elif data is None and shape[0]:  # from its spool, whole chunks at a time, in row order
                 dtype = np.dtype(spec.dtype).newbyteorder("<")
                 row_bytes = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
                 step = max(1, (64 << 20) // max(1, row_bytes * chunks[0])) * chunks[0]
@@ -92,6 +126,10 @@ def write_part_file(path: str, arrays: list[ArraySpec], attrs: dict, feed=None) 
                     spool.seek(a * row_bytes)
                     d[a:a + n] = np.frombuffer(spool.read(n * row_bytes), dtype=dtype).reshape(n, *shape[1:])
             dsets.append((spec, d, chunks[0]))
+        if direct:
+            by_name = {spec.name: spec for spec in arrays}
+            _stream(streamed, {n: tuple(by_name[n].shape) for n in streamed},
+                    {n: min(by_name[n].chunk_rows, max(by_name[n].shape[0], 1)) for n in streamed}, feed)
         f.flush()
         raw = os.open(path, os.O_RDONLY)
         for spec, d, chunk_rows in dsets:
