@@ -64,16 +64,24 @@ def _stream(dsets: dict, shapes: dict, chunk_rows: dict, feed) -> None:
     for rows in feed:
         for name, d in dsets.items():
             values = np.asarray(rows[name], dtype=d.dtype)
-            if carry[name] is not None:
-                values = np.concatenate([carry[name], values])
-            start = taken[name]
+            total, chunk, start = shapes[name][0], chunk_rows[name], taken[name]
+            if carry[name] is not None:  # first the chunk the last batch began: a chunk's rows copied, not the batch's
+                head = np.concatenate([carry[name], values[:chunk - len(carry[name])]])
+                values, carry[name] = values[len(head) - len(carry[name]):], None
+                if start + len(head) > total:
+                    raise CacheFormatError(f"{start + len(head)} of {total} rows fed to the part")
+                if len(head) < chunk and start + len(head) < total:
+                    carry[name] = head
+                    continue
+                d[start:start + len(head)] = head
+                start += len(head)
             end = start + len(values)
-            if end > shapes[name][0]:
-                raise CacheFormatError(f"{end} of {shapes[name][0]} rows fed to the part")
-            whole = end if end == shapes[name][0] else start + (len(values) // chunk_rows[name]) * chunk_rows[name]
+            if end > total:
+                raise CacheFormatError(f"{end} of {total} rows fed to the part")
+            whole = end if end == total else start + (len(values) // chunk) * chunk
             if whole > start:
                 d[start:whole] = values[:whole - start]
-            carry[name] = values[whole - start:] if whole < end else None
+            carry[name] = values[whole - start:].copy() if whole < end else None  # not a view: the batch may go
             taken[name] = whole
     short = [name for name in dsets if taken[name] != shapes[name][0]]
     if short:
