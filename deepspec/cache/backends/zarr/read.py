@@ -22,6 +22,19 @@ from deepspec.cache.backends.zarr.layout import EMPTY, parse_layout, split_suffi
 INDEX_ARRAY = "index"
 
 
+def group_attrs(buf) -> dict | None:
+    """The attributes of a part group's zarr.json (a zarr Buffer), read directly, not through
+    zarr-python, which raises on an empty or torn one; None when it is absent, unreadable or not a group."""
+    try:
+        meta = json.loads(buf.to_bytes()) if buf is not None else None
+    except ValueError:
+        return None
+    if not isinstance(meta, dict) or meta.get("node_type") != "group":
+        return None
+    attrs = meta.get("attributes") or {}
+    return dict(attrs) if isinstance(attrs, dict) else None
+
+
 class ZarrStore(CacheStore):
     kind = "zarr"
     layout_entries = frozenset({"zarr.json", "parts", INDEX_ARRAY})
@@ -93,12 +106,9 @@ class ZarrStore(CacheStore):
                 return None
             try:
                 buf = await store.get(f"parts/{name}/zarr.json", prototype=default_buffer_prototype())
-                meta = json.loads(buf.to_bytes()) if buf is not None else None
-            except (OSError, ValueError):
+            except OSError:
                 return None
-            if not isinstance(meta, dict) or meta.get("node_type") != "group":
-                return None
-            return dict(meta.get("attributes") or {})
+            return group_attrs(buf)
 
         async def read_all():
             return await asyncio.gather(*(read(n) for n in names))
@@ -125,10 +135,9 @@ class ZarrStore(CacheStore):
 
         try:
             buf = sync(self.root.store.get(f"parts/{name}/zarr.json", prototype=default_buffer_prototype()))
-            got = json.loads(buf.to_bytes()).get("attributes") if buf is not None else None
-        except (OSError, ValueError, AttributeError):
+        except OSError:
             return {}
-        return got if isinstance(got, dict) else {}
+        return group_attrs(buf) or {}
 
     # ---- reading -----------------------------------------------------------------------------
     def _inside(self, path: str) -> None:
