@@ -45,6 +45,9 @@ import numpy as np
 import torch
 
 LAYERS = [1, 9, 17, 25, 33]
+# loader-only contender: deepspec's batches (loader.batches), as its trainer reads them
+BATCHES = "deepspec, batches"
+
 H = 2560
 
 
@@ -169,12 +172,17 @@ def loader_gb_s(name: str, stores: dict[str, str], workers: int) -> float:
     """GB/s of the second epoch through a DataLoader with `workers` workers (the first starts them)."""
     import litdata
     import streaming
-    from torch.utils.data import DataLoader
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
+    from deepspec.loader.batches import Batches
     from deepspec.loader.dataset import TargetCacheDataset
 
     common = {"batch_size": 1, "num_workers": workers, "persistent_workers": workers > 0}
-    if name.startswith("deepspec"):
+    if name == BATCHES:  # deepspec's own loader: a batch sampler's batches read straight into place
+        ds = TargetCacheDataset(stores["deepspec"])
+        batches = BatchSampler(RandomSampler(ds), 1, drop_last=False)
+        loader = DataLoader(Batches(ds), sampler=batches, **dict(common, batch_size=None))
+    elif name.startswith("deepspec"):
         ds = TargetCacheDataset(stores["deepspec"], verify=name.endswith("on"))
         loader = DataLoader(ds, shuffle=True, **common)  # torch's default collation, as the peers' loaders
     elif name == "litdata":
@@ -288,19 +296,19 @@ def main() -> None:
                     assert all(np.array_equal(np.asarray(got[k]), v) for k, v in want.items()), name
         for ds in sets.values():  # page cache hot, metadata read
             map_style_gb_s(ds, list(range(args.samples)))
-        results = {name: {"map": [], "loader": []} for name in sets}
+        results = {name: {"map": [], "loader": []} for name in [*sets, BATCHES]}
         for rep in range(args.repeats):
             order = list(range(args.samples))
             random.Random(rep).shuffle(order)
             for name, ds in sets.items():
                 results[name]["map"].append(map_style_gb_s(ds, order))
-            for name in sets:
+            for name in results:
                 results[name]["loader"].append(loader_gb_s(name, stores, args.workers))
-            print(json.dumps({"repeat": rep, **{k: {m: round(v[m][-1], 2) for m in v} for k, v in results.items()}}),
+            print(json.dumps({"repeat": rep, **{k: {m: round(v[m][-1], 2) for m in v if v[m]} for k, v in results.items()}}),
                   flush=True)
     if args.s3:
         print_s3(s3)
-    med = {name: {m: statistics.median(v) for m, v in r.items()} for name, r in results.items()}
+    med = {name: {m: statistics.median(v) if v else float("nan") for m, v in r.items()} for name, r in results.items()}
     ref = med["litdata"]
     print(f"\n{args.samples} samples, {args.repeats} interleaved repeats, median GB/s of sample bytes "
           f"(litdata {litdata.__version__}, mosaicml-streaming {streaming.__version__}, {os.cpu_count()} CPUs)")

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 
-def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised host tensor, in shared memory inside a DataLoader worker."""
     if get_worker_info() is None:
         return torch.empty(shape, dtype=dtype, device="cpu")
@@ -24,7 +24,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def _padded(rows: list[torch.Tensor], T: int, dtype: torch.dtype, width: tuple[int, ...] = ()) -> torch.Tensor:
     """[B, T, *width]: row i holds rows[i] (its first dimension, viewed as `width`) then zeros."""
-    out = _empty((len(rows), T, *width), dtype)
+    out = host_empty((len(rows), T, *width), dtype)
     for i, r in enumerate(rows):
         n = r.shape[0]
         out[i, :n].view(r.shape).copy_(r)

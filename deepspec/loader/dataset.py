@@ -12,12 +12,14 @@ Only the requested layers and fields are read. The dataset is picklable and open
 lazily in each DataLoader worker (fork or forkserver). A DataLoader with a batch sampler hands a
 whole batch to `__getitems__`: on S3 the byte ranges of all its arrays are then in flight together
 (`read_ahead` requests, `range_bytes` each at most); locally the crc32c checks run on
-`check_threads` threads alongside the reads (deepspec/cache/read/shards.py).
+`check_threads` threads alongside the reads (deepspec/cache/read/shards.py), in a DataLoader worker
+in the reading thread unless `check_threads` is given. A trainer reads whole batches instead, straight
+into their collated layout (loader/batches.py).
 """
 from __future__ import annotations
 
 import numpy as np
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from deepspec.cache.spec.format import CacheFormatError
 from deepspec.cache.read.reader import CacheReader
@@ -38,6 +40,7 @@ class TargetCacheDataset(Dataset):
         # `planned`: (manifest, index rows) of a store being filled (cache.build.fill; CacheReader)
         self.reader = CacheReader(url, storage_options, expect=expect, verify=verify, fast=fast,
                                   cache_dir=cache_dir, manifest=manifest, planned=planned)
+        self.check_threads = check_threads
         if check_threads is not None:  # threads checking crc32c of local reads (CacheReader.check_threads)
             self.reader.set_check_threads(check_threads)
         if read_ahead is not None or range_bytes is not None:  # remote stores (CacheReader.read_ahead)
@@ -65,9 +68,17 @@ class TargetCacheDataset(Dataset):
     def manifest(self) -> dict:
         return self.reader.manifest
 
+    def reader_here(self) -> CacheReader:
+        """The reader, set for the process that reads: in a DataLoader worker the crc32c checks run in
+        the reading thread unless `check_threads` was given, since the workers already keep the cores
+        busy and a helper thread in each only competes with them (benchmarks/loader_peers.py)."""
+        if self.check_threads is None and self.reader.check_threads and get_worker_info() is not None:
+            self.reader.set_check_threads(0)
+        return self.reader
+
     def __getitem__(self, index: int) -> dict:
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: list[int]) -> list[dict]:
         """Samples `indices` (a DataLoader hands a batch sampler's whole batch here): cache.samples."""
-        return read_samples(self.reader, indices, self.layers, self.fields)
+        return read_samples(self.reader_here(), indices, self.layers, self.fields)

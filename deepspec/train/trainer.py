@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from deepspec import distributed
 from deepspec.config import TrainConfig
-from deepspec.loader.collate import collate
+from deepspec.loader.batches import Batches
 from deepspec.loader.prefetch import Prefetcher
 from deepspec.loader.sampler import ResumableBatchSampler
 from deepspec.train.checkpoint import (CheckpointError, check_model_state, check_optimizer_state, checkpoint_step,
@@ -253,7 +253,8 @@ class Trainer:
             self.sampler.set_epoch(self.state.epoch)
             self.sampler.position = self.state.position
             self._check_batches()  # an epoch with no batch would loop here forever
-            loader = DataLoader(self.dataset, batch_sampler=self.sampler, collate_fn=collate,
+            # each batch read straight into its collated layout (loader/batches.py): one copy a byte
+            loader = DataLoader(Batches(self.dataset), sampler=self.sampler, batch_size=None,
                                 num_workers=self.cfg.num_workers, pin_memory=self.device.type == "cuda",
                                 persistent_workers=False,
                                 multiprocessing_context=self.loader_context() if self.cfg.num_workers else None)

@@ -317,8 +317,8 @@ def test_dataloader_with_two_workers_finishes(tmp_path, method):
 def test_collate_pads_right_and_counts_tokens_on_the_host(monkeypatch):
     from deepspec.loader import collate as module
 
-    real = module._empty  # memory a batch is carved from may hold anything: the padding must be written
-    monkeypatch.setattr(module, "_empty", lambda shape, dtype: real(shape, dtype).fill_(7))
+    real = module.host_empty  # memory a batch is carved from may hold anything: the padding must be written
+    monkeypatch.setattr(module, "host_empty", lambda shape, dtype: real(shape, dtype).fill_(7))
     hid = torch.arange(2 * 3 * 4, dtype=torch.bfloat16).view(2, 3, 4)  # [L=2, T=3, H=4]
     a = {"input_ids": torch.tensor([1, 2, 3], dtype=torch.int32), "loss_mask": torch.tensor([0, 1, 1], dtype=torch.uint8),
          "hidden": hid, "sample_id": 5}

@@ -475,25 +475,31 @@ def test_a_steps_metrics_leave_the_device_once_per_optimizer_step(tmp_path, smal
     assert all(isinstance(m["loss"], float) and m["tau_greedy"] >= 1.0 for m in metrics)
 
 
-class LoadLog(torch.utils.data.Dataset):
-    """A dataset that appends (monotonic start time of every load) to a file, from any process."""
+class LoadLog:
+    """The trainer's dataset, appending the monotonic start time of every batch load (loader.batches
+    asks for the reader once a batch) to a file, from any process."""
 
     def __init__(self, inner, path: Path):
         self.inner, self.path = inner, path
 
+    def __getattr__(self, name):  # what Batches reads (layers, fields); not before unpickling sets inner
+        if name in ("inner", "path") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     def __len__(self):
         return len(self.inner)
 
-    def __getitem__(self, i):
+    def reader_here(self):
         with open(self.path, "a") as f:
             f.write(f"{time.monotonic()}\n")
-        return self.inner[i]
+        return self.inner.reader_here()
 
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_with_a_loading_worker_the_next_batch_loads_while_the_step_runs(tmp_path, small_cache, trained_target, workers):
-    """The trainer's own loader (DataLoader + Prefetcher): with num_workers >= 1 the samples of batch
-    n+1 are read while step n computes; with none, only between steps. An order of events, not a speed."""
+    """The trainer's own loader (DataLoader + Prefetcher): with num_workers >= 1 batch n+1 is read
+    while step n computes; with none, only between steps. An order of events, not a speed."""
     from deepspec.train.run import build_trainer
 
     cfg = TrainConfig(**dict(FAST, batch_size=2, num_workers=workers))
@@ -508,7 +514,7 @@ def test_with_a_loading_worker_the_next_batch_loads_while_the_step_runs(tmp_path
         steps.append((start, time.monotonic()))
     loads = [float(t) for t in log.read_text().split()]
     during = [s for s in loads if any(a < s < b for a, b in steps)]
-    assert (len(during) >= cfg.batch_size) if workers else not during
+    assert during if workers else not during
 
 
 def test_window_parts_reads_the_cache_a_few_parts_at_a_time(tmp_path, small_cache, trained_target):

@@ -40,6 +40,19 @@ from crc32c import crc32c as _crc32c
 CHECK_BYTES = 2 << 20
 
 
+def row_bytes_view(out: np.ndarray) -> np.ndarray | None:
+    """`out` as uint8 [rows, bytes a row], sharing its memory, when each of its rows is contiguous
+    (a C-contiguous array, or a 2-D one whose rows lie apart, as a layer's rows in a collated batch);
+    None otherwise."""
+    if out.ndim == 0 or len(out) == 0:
+        return None
+    if out.flags.c_contiguous:
+        return out.reshape(-1).view(np.uint8).reshape(len(out), -1)
+    if out.ndim == 2 and out.strides[1] == out.itemsize and out.strides[0] > 0:
+        return out.view(np.uint8)
+    return None
+
+
 class ShardReader:
     """Row ranges of single-shard arrays, read and checked without zarr-python on the hot path."""
 
@@ -142,10 +155,10 @@ class ShardReader:
         c0, c1 = start // layout.chunk_rows, (stop - 1) // layout.chunk_rows
         idx, dense, crcs = self._table(layout)
         offs, sizes = idx[c0:c1 + 1, 0], idx[c0:c1 + 1, 1]
-        local = not layout.blosc and not self.files.remote and out.flags.c_contiguous and layout.dtype.isnative
-        if local and layout.crc_table and dense:
-            return self._copy(layout, start, stop, c0, c1, crcs, out)
-        if local and not layout.crc_table and not (self.verify and layout.checksum == "fletcher32"
+        local = not layout.blosc and not self.files.remote and layout.dtype.isnative
+        if local and layout.crc_table and dense and (rows := row_bytes_view(out)) is not None:
+            return self._copy(layout, start, stop, c0, c1, crcs, rows, out)
+        if local and out.flags.c_contiguous and not layout.crc_table and not (self.verify and layout.checksum == "fletcher32"
                                                    and (self.strict or layout.crcs is None)):
             gaps = None
             if not dense and layout.table is not None:  # HDF5 puts a few KB of metadata after a chunk or two
@@ -219,24 +232,25 @@ class ShardReader:
         return out
 
     def _copy(self, layout: ArrayLayout, start: int, stop: int, c0: int, c1: int, crcs: np.ndarray,
-              out: np.ndarray) -> np.ndarray:
+              rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Uncompressed local chunks of a v4 Zarr shard, whose rows lie back to back in the file: rows
-        [start, stop) are copied out of the file's map (ByteRanges.view) into `out`, in runs of about
-        CHECK_BYTES, and each run's chunks are checked against the table's crc32cs (checks.first_bad)
-        over the copied bytes plus the rows of the first/last chunk outside the range, read from the
-        map. A copy of page-cache bytes is fastest as one large memcpy (the kernel's copy of a pread,
-        or many chunk-sized copies, run at about half of it: benchmarks/copy_pieces.py), which the
-        rows' adjacency allows. With checksum threads each run's check is handed off as soon as it
-        is copied, as in _scatter."""
+        [start, stop) are copied out of the file's map (ByteRanges.view) into `rows` (row_bytes_view
+        of `out`: its rows may lie apart, as a sample's layer does in a collated batch), in runs of
+        about CHECK_BYTES, and each run's whole chunks are checked in the map against the table's
+        crc32cs (checks.first_bad). A copy of page-cache bytes is fastest as one large memcpy (the
+        kernel's copy of a pread, or many chunk-sized copies, run at about half of it:
+        benchmarks/copy_pieces.py), which the rows' adjacency allows; checking the map rather than the
+        copy lets the rows land anywhere, and a file's bytes are the ones copied (parts are never
+        rewritten in place). With checksum threads each run's check is handed off as soon as it is
+        copied, as in _scatter."""
         C, row_bytes = layout.chunk_rows, layout.row_bytes
         chunk_bytes = C * row_bytes
         view = self.files.view(layout.key)
         if (c1 + 1) * chunk_bytes > len(view):
             raise CacheFormatError(f"{layout.name or layout.key}: chunks {c0}..{c1} end past its {len(view)} bytes")
         src = np.frombuffer(view, np.uint8)
-        dst = out.reshape(-1).view(np.uint8)
         if not self.verify:
-            np.copyto(dst, src[start * row_bytes:stop * row_bytes])
+            np.copyto(rows, src[start * row_bytes:stop * row_bytes].reshape(-1, row_bytes))
             return out
         n_chunks = c1 - c0 + 1
         threaded = self.check_threads and (stop - start) * row_bytes >= CHECK_BYTES // 8
@@ -247,9 +261,9 @@ class ShardReader:
         for k in range(0, n_chunks, step):
             k1 = min(k + step, n_chunks)
             lo, hi = max(start, (c0 + k) * C), min(stop, (c0 + k1) * C)
-            np.copyto(dst[(lo - start) * row_bytes:(hi - start) * row_bytes], src[lo * row_bytes:hi * row_bytes])
-            segments = [src[(c0 + k) * C * row_bytes:lo * row_bytes], dst[(lo - start) * row_bytes:(hi - start) * row_bytes],
-                        src[hi * row_bytes:(c0 + k1) * C * row_bytes]]
+            run = src[(c0 + k) * chunk_bytes:(c0 + k1) * chunk_bytes]
+            np.copyto(rows[lo - start:hi - start], src[lo * row_bytes:hi * row_bytes].reshape(-1, row_bytes))
+            segments = [run]
             if batch is not None:
                 batch.check(stored[4 * k:4 * k1], chunk_bytes, segments, name, c0 + k)
             elif (bad := first_bad(stored[4 * k:4 * k1], chunk_bytes, segments)) >= 0:
