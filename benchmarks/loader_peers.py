@@ -12,10 +12,14 @@ patterns (uint16), 600-1,400 tokens a sample (30,725 bytes a token). Written wit
   mds       `streaming.MDSWriter` (MDS shards, 64 MB).
 Read map-style, `ds[i]` over every sample in a random order, page cache hot (each store read once
 first), and through a DataLoader with `--workers` workers (each library's own loader for its
-iterable dataset; deepspec's map-style dataset through torch's, shuffled), the second epoch timed.
-The contenders alternate, `--repeats` times; the table holds the median GB/s of sample bytes
-(what the arrays returned hold) and the ratio to litdata. deepspec runs with its crc32c checks on
-(the default) and off; neither peer checks what it reads locally.
+iterable dataset; deepspec's map-style dataset through torch's default collation, shuffled, and
+deepspec's own batches as its trainer reads them, loader.batches: a batch sampler's index lists,
+each batch read straight into its collated layout), the second epoch timed. The contenders
+alternate, `--repeats` times; the table holds the median GB/s of sample bytes (what the arrays
+returned hold) and the ratio to litdata. deepspec runs with its crc32c checks on (the default) and
+off, and with checks on once more in two passes (a copy, then a crc32c: what the reader does where
+its native copy-and-checksum kernel, deepspec/cache/read/_copycrc.c, is not built); neither peer
+checks what it reads locally.
 
 With `--s3` the same stores go to moto_server behind benchmarks/scale_s3.py's throttling proxy (a
 delay per request and a paced rate per response stream, like one S3 stream): each contender opens
@@ -45,8 +49,18 @@ import numpy as np
 import torch
 
 LAYERS = [1, 9, 17, 25, 33]
-# loader-only contender: deepspec's batches (loader.batches), as its trainer reads them
-BATCHES = "deepspec, batches"
+# loader-only contenders: deepspec's batches (loader.batches), as its trainer reads them
+BATCHES = ("deepspec, batches", "deepspec, batches, two-pass")
+TWO_PASS = "two-pass"  # a contender whose name ends so copies, then checksums (no native kernel)
+
+
+def passes(name: str) -> None:
+    """Before a contender runs (and forks its workers): one-pass checked copies (the native
+    kernel, where it is built) or two passes."""
+    import deepspec.cache.read.checks as checks
+    import deepspec.cache.read.shards as shards
+
+    shards.NATIVE_COPY = checks.NATIVE_COPY and not name.endswith(TWO_PASS)
 
 H = 2560
 
@@ -156,6 +170,7 @@ def datasets(stores: dict[str, str]) -> dict:
     from deepspec.loader.dataset import TargetCacheDataset
 
     return {"deepspec, checks on": TargetCacheDataset(stores["deepspec"]),
+            f"deepspec, checks on, {TWO_PASS}": TargetCacheDataset(stores["deepspec"]),
             "deepspec, checks off": TargetCacheDataset(stores["deepspec"], verify=False),
             "mosaicml-streaming": streaming.StreamingDataset(local=stores["mds"], batch_size=1, shuffle=False),
             "litdata": litdata.StreamingDataset(stores["litdata"])}
@@ -178,12 +193,13 @@ def loader_gb_s(name: str, stores: dict[str, str], workers: int) -> float:
     from deepspec.loader.dataset import TargetCacheDataset
 
     common = {"batch_size": 1, "num_workers": workers, "persistent_workers": workers > 0}
-    if name == BATCHES:  # deepspec's own loader: a batch sampler's batches read straight into place
+    passes(name)
+    if name in BATCHES:  # deepspec's own loader: a batch sampler's batches read straight into place
         ds = TargetCacheDataset(stores["deepspec"])
         batches = BatchSampler(RandomSampler(ds), 1, drop_last=False)
         loader = DataLoader(Batches(ds), sampler=batches, **dict(common, batch_size=None))
     elif name.startswith("deepspec"):
-        ds = TargetCacheDataset(stores["deepspec"], verify=name.endswith("on"))
+        ds = TargetCacheDataset(stores["deepspec"], verify="checks off" not in name)
         loader = DataLoader(ds, shuffle=True, **common)  # torch's default collation, as the peers' loaders
     elif name == "litdata":
         loader = litdata.StreamingDataLoader(litdata.StreamingDataset(stores["litdata"], shuffle=True), **common)
@@ -296,11 +312,12 @@ def main() -> None:
                     assert all(np.array_equal(np.asarray(got[k]), v) for k, v in want.items()), name
         for ds in sets.values():  # page cache hot, metadata read
             map_style_gb_s(ds, list(range(args.samples)))
-        results = {name: {"map": [], "loader": []} for name in [*sets, BATCHES]}
+        results = {name: {"map": [], "loader": []} for name in [*sets, *BATCHES]}
         for rep in range(args.repeats):
             order = list(range(args.samples))
             random.Random(rep).shuffle(order)
             for name, ds in sets.items():
+                passes(name)
                 results[name]["map"].append(map_style_gb_s(ds, order))
             for name in results:
                 results[name]["loader"].append(loader_gb_s(name, stores, args.workers))
@@ -312,10 +329,11 @@ def main() -> None:
     ref = med["litdata"]
     print(f"\n{args.samples} samples, {args.repeats} interleaved repeats, median GB/s of sample bytes "
           f"(litdata {litdata.__version__}, mosaicml-streaming {streaming.__version__}, {os.cpu_count()} CPUs)")
-    print(f"{'contender':<24} {'ds[i] GB/s':>11} {'vs litdata':>11} {f'loader {args.workers}w GB/s':>16} {'vs litdata':>11}")
+    print(f"{'contender':<30} {'ds[i] GB/s':>11} {'vs litdata':>11} {f'loader {args.workers}w GB/s':>16} {'vs litdata':>11}")
     for name, m in med.items():
-        print(f"{name:<24} {m['map']:>11.2f} {m['map'] / ref['map']:>10.2f}x {m['loader']:>16.2f} "
-              f"{m['loader'] / ref['loader']:>10.2f}x")
+        mapped = (f"{m['map']:>11.2f} {m['map'] / ref['map']:>10.2f}x" if m['map'] == m['map']  # not nan
+                  else f"{'-':>11} {'-':>11}")
+        print(f"{name:<30} {mapped} {m['loader']:>16.2f} {m['loader'] / ref['loader']:>10.2f}x")
 
 
 def print_s3(rows: list[dict]) -> None:

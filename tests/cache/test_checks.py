@@ -2,6 +2,7 @@
 checks: any corrupt byte of a chunk a read touches is named by its chunk, in every mode."""
 import gc
 import os
+import platform
 import threading
 import time
 from pathlib import Path
@@ -137,10 +138,16 @@ DAMAGE = {
 }
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["one-pass", "two-pass"])
 @pytest.mark.parametrize("threads,run_chunks", [(0, None), (1, 1), (2, 2), (1, 3), (1, None)])
 @pytest.mark.parametrize("damage", list(DAMAGE))
-def test_every_corrupt_byte_a_read_touches_is_named_by_its_chunk(store, monkeypatch, damage, threads, run_chunks):
+def test_every_corrupt_byte_a_read_touches_is_named_by_its_chunk(store, monkeypatch, damage, threads, run_chunks,
+                                                                  native):
     url, shard, clean, layout = store
+    if native and not checks.NATIVE_COPY:
+        pytest.skip("the copy-and-checksum kernel is not built here (test_the_kernel_is_built_on_x86_64)")
+    # v4's local reads copy and checksum in one pass (the kernel) or two (the copy, then crc32c)
+    monkeypatch.setattr(shard_reader_mod, "NATIVE_COPY", native)
     if run_chunks:  # runs of one or two chunks, each checked by whichever thread takes it
         monkeypatch.setattr(shard_reader_mod, "CHECK_BYTES", run_chunks * (BODY + (4 if layout == "trailers" else 0)))
     else:  # the default: one run for the whole read (not worth a thread at this size)
@@ -169,3 +176,32 @@ def test_every_corrupt_byte_a_read_touches_is_named_by_its_chunk(store, monkeypa
     finally:
         shard.write_bytes(clean)
     assert np.array_equal(CacheReader(url).read_array(0, "hidden/7", 20, 70), want)
+
+
+def test_the_kernel_is_built_on_x86_64():
+    """make setup compiles it (pyproject's optional ext-module): on x86-64 a missing kernel is a broken
+    build, not a slower machine."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the kernel is x86-64 only")
+    assert checks.NATIVE_COPY
+
+
+@pytest.mark.skipif(not checks.NATIVE_COPY, reason="the copy-and-checksum kernel is not built here")
+def test_the_kernel_copies_and_returns_the_crc32c_continued():
+    from deepspec.cache.read._copycrc import copy_crc32c
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 7, 8, 31, 32, 33, 4099):
+        src = rng.integers(0, 256, n, dtype=np.uint8)
+        for crc in (0, 0xDEADBEEF):
+            dst = np.zeros(n, np.uint8)
+            assert copy_crc32c(dst, src, crc) == crc32c(src.tobytes(), crc) and np.array_equal(dst, src)
+    src = rng.integers(0, 256, 6 * 40, dtype=np.uint8)
+    rows = np.zeros((6, 3, 40), np.uint8)  # rows of 40 bytes, 120 apart: only the middle third is written
+    assert copy_crc32c(rows[:, 1], src, 5) == crc32c(src.tobytes(), 5)
+    assert np.array_equal(rows[:, 1].reshape(-1), src) and not rows[:, [0, 2]].any()
+    for bad in (np.zeros(len(src) - 1, np.uint8), rows[:, :, :20], np.zeros(len(src), np.uint8)[::2]):
+        with pytest.raises((ValueError, BufferError)):
+            copy_crc32c(bad, src, 0)
+    with pytest.raises((ValueError, TypeError, BufferError)):
+        copy_crc32c(src.tobytes(), src, 0)  # a read-only destination

@@ -1,4 +1,4 @@
-"""crc32c checks handed from a reading thread to Python helper threads (ShardReader._scatter).
+"""crc32c checks handed from a reading thread to Python helper threads (ShardReader._scatter, _copy).
 
 A task is one tuple on a C `SimpleQueue`; the helpers block in `get()` without the GIL, and the
 crc32c package releases the GIL while it checksums. The thread that waits for a batch first runs
@@ -10,10 +10,12 @@ A run of chunks is checked with one crc32c call over all its bytes against `crc3
 their stored CRCs (the GIL is released once per run, not once per 320 KB chunk); a mismatch then
 names the first bad chunk.
 
-There is no native checker: a C one (never taking the GIL) measured no faster than these checks, by
-more than the noise, in the configuration a trainer reads in (a DataLoader with deepspec's
-collator, benchmarks/checks_workers.py; the numbers are in docs/scale.md "Checksums"), so it and
-its build step were removed.
+`copy_checked` copies a run and checksums it in the same pass, in native code (_copycrc.c, built
+at install where a C compiler and x86-64 allow; `NATIVE_COPY` says whether it is here): a checked
+local read then costs one pass over its bytes instead of a copy and a crc32c, each about as slow as
+the other. A copy-and-check task may run on any thread; its destination is its own. (A native
+thread that only checked, built before, measured no faster than these helpers and was removed:
+docs/scale.md "Checksums".)
 """
 from __future__ import annotations
 
@@ -28,6 +30,12 @@ import numpy as np
 from crc32c import crc32c as _crc32c
 
 from deepspec.cache.spec.format import CacheFormatError
+
+try:  # the native copy-and-checksum kernel (_copycrc.c; optional at install, x86-64 with SSE4.2)
+    from deepspec.cache.read._copycrc import available as _native, copy_crc32c
+except ImportError:
+    _native, copy_crc32c = False, None
+NATIVE_COPY = bool(_native)
 
 
 @functools.lru_cache(maxsize=32)
@@ -118,6 +126,20 @@ def _check(stored, chunk_bytes: int, segments: Sequence, name: str, first: int) 
         raise mismatch(name, first + bad)
 
 
+def copy_checked(rows: np.ndarray, src: np.ndarray, lo: int, hi: int, stored, chunk_bytes: int, name: str,
+                 first: int) -> None:
+    """Bytes [lo, hi) of `src` (a run of whole chunks, chunk_bytes each, from its start to its end)
+    copied into `rows` (uint8 [rows, row bytes], each row contiguous) by the native kernel
+    (_copycrc.copy_crc32c), which checksums what it copies in the same pass; the chunk bytes outside
+    [lo, hi) are checksummed where they lie. Raises a ChecksumError naming the first chunk that
+    does not match its entry in `stored`."""
+    want = np.frombuffer(stored, "<u4").tolist()
+    crc = _crc32c(src[:lo])
+    crc = copy_crc32c(rows, src[lo:hi], crc)
+    if _crc32c(src[hi:], crc) != crc32c_concat(want, chunk_bytes):
+        raise mismatch(name, first + max(0, first_bad(stored, chunk_bytes, [src])))
+
+
 def _serve(tasks: queue.SimpleQueue) -> None:
     while (task := tasks.get()) is not None:
         _run(task)
@@ -139,6 +161,10 @@ class Batch:
     def submit(self, fn, *args) -> None:
         self._tasks.put((self._done, self._n, fn, args))
         self._n += 1
+
+    def copy(self, *args) -> None:
+        """copy_checked(*args) on whichever thread takes it first (the waiting thread included)."""
+        self.submit(copy_checked, *args)
 
     def check(self, stored, chunk_bytes: int, segments: Sequence, name: str, first: int) -> None:
         """Chunks `first`, first + 1, ... of array `name` are `segments` end to end, chunk_bytes

@@ -26,7 +26,7 @@ import numpy as np
 
 from deepspec.cache.backends.base import ArrayLayout, fletcher32_matches
 from deepspec.cache.storage.bounded import BoundedCache
-from deepspec.cache.read.checks import Batch, ChecksumError, checker, first_bad, mismatch
+from deepspec.cache.read.checks import NATIVE_COPY, Batch, ChecksumError, checker, copy_checked, first_bad, mismatch
 from deepspec.cache.spec.format import CacheFormatError
 from deepspec.cache.read.ranges import ByteRanges, preadv_all
 from deepspec.cache.backends.zarr.layout import EMPTY, split_suffix
@@ -241,8 +241,10 @@ class ShardReader:
         kernel's copy of a pread, or many chunk-sized copies, run at about half of it:
         benchmarks/copy_pieces.py), which the rows' adjacency allows; checking the map rather than the
         copy lets the rows land anywhere, and a file's bytes are the ones copied (parts are never
-        rewritten in place). With checksum threads each run's check is handed off as soon as it is
-        copied, as in _scatter."""
+        rewritten in place). With the native kernel (checks.NATIVE_COPY) a run is copied and
+        checksummed in one pass, and with checksum threads the runs go to whichever thread is free,
+        the reading thread included; without it each run's check is handed off as soon as the
+        reading thread has copied it, as in _scatter."""
         C, row_bytes = layout.chunk_rows, layout.row_bytes
         chunk_bytes = C * row_bytes
         view = self.files.view(layout.key)
@@ -261,7 +263,12 @@ class ShardReader:
         for k in range(0, n_chunks, step):
             k1 = min(k + step, n_chunks)
             lo, hi = max(start, (c0 + k) * C), min(stop, (c0 + k1) * C)
-            run = src[(c0 + k) * chunk_bytes:(c0 + k1) * chunk_bytes]
+            run, at = src[(c0 + k) * chunk_bytes:(c0 + k1) * chunk_bytes], (c0 + k) * chunk_bytes
+            if NATIVE_COPY:  # copied and checksummed in one pass; a run on whichever thread is free first
+                args = (rows[lo - start:hi - start], run, lo * row_bytes - at, hi * row_bytes - at, stored[4 * k:4 * k1],
+                        chunk_bytes, name, c0 + k)
+                batch.copy(*args) if batch is not None else copy_checked(*args)
+                continue
             np.copyto(rows[lo - start:hi - start], src[lo * row_bytes:hi * row_bytes].reshape(-1, row_bytes))
             segments = [run]
             if batch is not None:
