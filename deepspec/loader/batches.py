@@ -15,6 +15,8 @@ sampler's index lists (`DataLoader(Batches(ds), sampler=batch_sampler, batch_siz
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
@@ -27,14 +29,7 @@ ALIGN = 64  # each view starts on a cache line (and so on its dtype's size)
 
 
 def _views(buffer: torch.Tensor, specs: list[tuple[str, torch.dtype, tuple, int]]) -> dict:
-    return {k: buffer[at:at + dtype.itemsize * _numel(shape)].view(dtype).view(shape) for k, dtype, shape, at in specs}
-
-
-def _numel(shape: tuple) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return {k: buffer[at:at + dtype.itemsize * math.prod(shape)].view(dtype).view(shape) for k, dtype, shape, at in specs}
 
 
 def _carve(wanted: list[tuple[str, torch.dtype, tuple]]) -> tuple[torch.Tensor, list, dict]:
@@ -43,7 +38,7 @@ def _carve(wanted: list[tuple[str, torch.dtype, tuple]]) -> tuple[torch.Tensor, 
     specs, at = [], 0
     for key, dtype, shape in wanted:
         specs.append((key, dtype, tuple(shape), at))
-        at += -(-dtype.itemsize * _numel(shape) // ALIGN) * ALIGN
+        at += -(-dtype.itemsize * math.prod(shape) // ALIGN) * ALIGN
     buffer = host_empty((max(at, 1),), torch.uint8)
     return buffer, specs, _views(buffer, specs)
 
@@ -92,9 +87,10 @@ def _read(reader: CacheReader, indices: list[int], layers: list, fields: tuple[s
         values = r.read_arrays(requests)
     for slot, at in decode:
         decode_hidden(values[at], values[at + 1], reader.dtype, out=slot)
-    for key, _, _, _ in specs[1:]:
+    for key in FIELDS:  # only the padding after each row is written
         for b, n in enumerate(sizes):
-            outs[key][b, n:].zero_()
+            if key in outs:
+                outs[key][b, n:].zero_()
     plain = {"tokens": sum(sizes), "sample_id": [int(r.sample_id(i)) for i in indices]}
     order = ["lengths", "tokens", "sample_id", *(k for k in FIELDS if k in outs)]
     return buffer, specs, plain, order
