@@ -12,7 +12,6 @@ from torch.utils.data import get_worker_info
 from deepspec.cache.read.checks import ChecksumError
 from deepspec.cache.read.reader import CacheReader
 from deepspec.cache.read.samples import read_samples
-from deepspec.cache.write.writer import CacheWriter
 from deepspec.loader import batches as batches_module
 from deepspec.loader.batches import Batches, read_batch
 from deepspec.loader.collate import collate
@@ -44,18 +43,6 @@ def garbage(monkeypatch):
     monkeypatch.setattr(batches_module, "host_empty", lambda shape, dtype: real(shape, dtype).fill_(3))
 
 
-def write_h5(url, parts):
-    manifest = {"target": {"id": "t", "hidden_size": H}, "layers": LAYERS, "dtype": "bfloat16", "codec": "none",
-                "max_length": 4096, "chunk_tokens": 16, "hidden_size": H, "storage": "hdf5"}
-    w = CacheWriter(url, manifest)
-    for part in parts:
-        w.submit(part)
-    w.close()
-    w.write_manifest()
-    w.release()
-    return url
-
-
 def check_every_layout(ds: TargetCacheDataset) -> None:
     for layers in (LAYERS, [7, -1], [3]):
         for fields in (("input_ids", "loss_mask", "hidden", "last_hidden"), ("input_ids", "hidden"),
@@ -71,7 +58,7 @@ def check_every_layout(ds: TargetCacheDataset) -> None:
 def test_a_batch_read_in_place_equals_the_collated_samples(tmp_path, garbage, dtype, codec, layout):
     parts = synthetic_parts()
     if layout == "hdf5":
-        url = write_h5(str(tmp_path / "c.h5d"), parts)
+        url = write_store(str(tmp_path / "c.h5d"), parts, storage="hdf5")
     else:
         url = write_store(str(tmp_path / "c.zarr"), parts, dtype, codec)
     if layout == "trailer":

@@ -36,9 +36,9 @@ def synthetic_parts(seed=0, parts=3, samples=6):
     return out
 
 
-def write_store(url, parts, dtype="bfloat16", codec="none", storage_options=None, chunk_tokens=16):
+def write_store(url, parts, dtype="bfloat16", codec="none", storage_options=None, chunk_tokens=16, storage="zarr"):
     manifest = {"target": {"id": "t", "hidden_size": H}, "layers": LAYERS, "dtype": dtype, "codec": codec,
-                "max_length": 4096, "chunk_tokens": chunk_tokens, "hidden_size": H}
+                "max_length": 4096, "chunk_tokens": chunk_tokens, "hidden_size": H, "storage": storage}
     w = CacheWriter(url, manifest, storage_options)
     for part in parts:
         w.submit(part)
