@@ -8,6 +8,8 @@
 - `HostCopies`: device-to-host copies of a batch's tensors into pinned buffers, issued on a copy
   stream so that the compute stream starts the next forward meanwhile; the consumer waits for them
   (`HostBatch.result()`), usually on another thread. On the CPU a batch is already on the host.
+- `writer_threads(device)`: how many threads a cache writer beside this device's forward passes
+  writes on.
 - `decoding(device)`: the attention kernels token-by-token decoding runs with (on CUDA, cuDNN after
   the kernels that need no set-up per shape).
 """
@@ -23,6 +25,18 @@ def local_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
+
+
+def writer_threads(device: torch.device | str) -> int:
+    """Threads a cache writer fed by forward passes on `device` writes a part's arrays on
+    (CacheWriter's `threads`). On the CPU one: the forward passes use every core already, and each
+    writer thread more takes a core from them. Beside an accelerator, the cores this process may use
+    (shared with the node's other ranks, LOCAL_WORLD_SIZE) less one for its own thread, at most 8: a
+    GPU computes states faster than one thread checksums and writes them (docs/gpu-recipe.md)."""
+    if torch.device(device).type == "cpu":
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))) - 1))
 
 
 def decoding(device: torch.device | str) -> contextlib.AbstractContextManager:

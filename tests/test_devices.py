@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from deepspec.devices import HostCopies, draw, generator, local_device
+from deepspec.devices import HostCopies, draw, generator, local_device, writer_threads
 from tests.conftest import REPO
 
 # Library and stage code. The embedded default's toy trainer (deepspec/embedded) is the one exception:
@@ -82,6 +82,19 @@ def test_local_device_is_the_local_ranks_gpu_when_cuda_is_present(monkeypatch):
     assert local_device() == torch.device("cuda", 3)
     monkeypatch.delenv("LOCAL_RANK")
     assert local_device() == torch.device("cuda", 0)
+
+
+def test_a_cache_writer_beside_a_gpu_writes_on_the_ranks_share_of_the_cores(monkeypatch):
+    """On the CPU one thread (the forward passes use every core); beside a GPU the process's cores,
+    shared with the node's other ranks, less its own thread, at most 8, at least 1."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert writer_threads("cpu") == 1
+    assert writer_threads(torch.device("cuda", 0)) == 8
+    for ranks, threads in (("2", 7), ("4", 3), ("8", 1), ("16", 1), ("32", 1)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+        assert writer_threads("cuda:1") == threads, ranks
+    assert writer_threads("cpu") == 1
 
 
 def test_launch_makes_the_local_gpu_current_before_any_collective(monkeypatch):

@@ -149,14 +149,16 @@ def stream(w: CacheWriter, part: PartData, cuts: list[int]) -> None:
     feed.close()
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("dtype,codec", [("bfloat16", "none"), ("fp8", "blosc-zstd")])
-def test_a_streamed_part_is_byte_identical_to_the_part_written_whole(where, dtype, codec):
-    """The stage writes a part's shards batch by batch, holding a batch, not the part; the files are
-    those of the part handed over whole."""
+def test_a_streamed_part_is_byte_identical_to_the_part_written_whole(where, dtype, codec, threads):
+    """The stage writes a part's shards batch by batch, holding a batch, not the part, on one thread
+    or several (CacheWriter's `threads`: a part's arrays at once); the files are those of the part
+    handed over whole."""
     kind, url, options = where
     parts = [make_part("p000000", 1, dtype, samples=5), make_part("p000001", 2, dtype, samples=1)]
     write((kind, url + "-whole", options), parts, dtype=dtype, codec=codec)
-    with CacheWriter(url, manifest(kind, dtype=dtype, codec=codec), options) as w:
+    with CacheWriter(url, manifest(kind, dtype=dtype, codec=codec), options, threads=threads) as w:
         stream(w, parts[0], [1, 2, 9, parts[0].tokens - 3])  # chunk_tokens is 4: cuts inside chunks
         stream(w, parts[1], [])
     assert files(url, options) == files(url + "-whole", options)
@@ -189,6 +191,33 @@ def test_a_streamed_part_stopped_midway_is_not_committed(where):
     expect_equal(CacheReader(url, options), parts)
 
 
+def test_an_array_that_fails_on_one_of_several_threads_fails_its_part_and_nothing_else(where):
+    """Rows of the wrong width for one array, written while the part's other arrays are written on
+    other threads: the writer fails naming the fault, the part is not committed, the parts before
+    it are, and a rerun ends byte-identical to an uninterrupted build."""
+    kind, url, options = where
+    parts = [make_part(f"p{i:06d}", i + 1, samples=4) for i in range(2)]
+    write((kind, url + "-clean", options), parts)
+    w = CacheWriter(url, manifest(kind), options, threads=3)
+    stream(w, parts[0], [5])
+    feed = w.stream(PartData(parts[1].name, parts[1].sample_ids, parts[1].lengths, parts[1].input_ids,
+                             parts[1].loss_mask))
+    bad = {k: (bits[:6], scale) for k, (bits, scale) in parts[1].hidden.items()}
+    bad[LAYERS[-1]] = (np.zeros((6, H + 1), np.uint16), None)
+    with pytest.raises(CacheFormatError, match=rf"{hidden_name(LAYERS[-1])}: rows of shape \({H + 1},\)"):
+        feed.put(bad)
+        feed.put({k: (bits[6:], scale) for k, (bits, scale) in parts[1].hidden.items()})
+        feed.close()
+        w.close()
+    w.abort()
+    w.release()
+    with CacheWriter(url, manifest(kind), options) as w:
+        assert sorted(w.committed_parts()) == ["p000000"]
+        stream(w, parts[1], [3])
+    assert files(url, options) == files(url + "-clean", options)
+    expect_equal(CacheReader(url, options), parts)
+
+
 def test_another_process_sees_a_part_committed_only_once_its_commit_is_done(where):
     """What a trainer asks while capture ranks write (fill_ranks.RanksFill): one part at a time, through
     a store object of its own, never true for a part still being written."""
@@ -214,10 +243,11 @@ def test_another_process_sees_a_part_committed_only_once_its_commit_is_done(wher
     w.release()
 
 
-def test_an_s3_shard_larger_than_an_upload_block_is_a_create_only_multipart_upload(moto, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_an_s3_shard_larger_than_an_upload_block_is_a_create_only_multipart_upload(moto, monkeypatch, threads):
     """A streamed shard goes to S3 as it is written, block by block (the reference's 5.4 GB hidden
-    shards exceed S3's 5 GB single PUT); completing the upload is conditional, so a shard that
-    exists is never replaced."""
+    shards exceed S3's 5 GB single PUT), a part's shards one after another or at once; completing
+    the upload is conditional, so a shard that exists is never replaced."""
     import fsspec
 
     from deepspec.cache.storage.urls import storage_options_for
@@ -234,7 +264,7 @@ def test_an_s3_shard_larger_than_an_upload_block_is_a_create_only_multipart_uplo
     hidden = {k: (rng.integers(0, 1 << 16, (t, H)).astype(np.uint16), None) for k in [*LAYERS, "last"]}
     part = PartData("p000000", np.array([7, 8], dtype=np.uint64), lengths, rng.integers(0, 4096, t).astype(np.int32),
                     rng.integers(0, 2, t).astype(np.uint8), hidden)
-    with CacheWriter(url, manifest("zarr"), moto.storage_options) as w:
+    with CacheWriter(url, manifest("zarr"), moto.storage_options, threads=threads) as w:
         stream(w, part, [1, 99_999, 300_000])
     expect_equal(CacheReader(url, moto.storage_options), [part])
     fs, root = fsspec.core.url_to_fs(url, **storage_options_for(url, moto.storage_options))

@@ -39,7 +39,9 @@ def test_encoded_shard_equals_zarr_python(tmp_path, dtype, shape, chunk, codec):
 
 
 @pytest.mark.parametrize("dtype, shape, chunk", [("uint16", (203, 24), 16), ("int32", (1500,), 1024),
-                                                 ("uint8", (64, 8), 64), ("uint64", (3, 2), 3), ("float32", (0,), 1024)])
+                                                 ("uint8", (64, 8), 64), ("uint64", (3, 2), 3), ("float32", (0,), 1024),
+                                                 # kinds met before, other row counts (one fewer than a chunk)
+                                                 ("uint16", (5, 24), 16), ("int32", (1023,), 1024)])
 @pytest.mark.parametrize("codec", ["none", "blosc-zstd"])
 @pytest.mark.parametrize("name", ["a", "hidden/9"])
 def test_array_metadata_equals_what_zarr_python_writes(tmp_path, dtype, shape, chunk, codec, name):

@@ -209,6 +209,9 @@ class WritableStore(CacheStore):
     side is CacheStore's. Commit, resume and pruning rules: docs/cache-format.md §7."""
 
     writable = True
+    # threads a streamed part's arrays may be written on at once (CacheWriter's `threads`); a
+    # backend that writes a part as one file (HDF5) writes it on one
+    write_threads = 1
 
     @abstractmethod
     def write_index(self, rows: np.ndarray) -> dict:

@@ -34,7 +34,7 @@ from deepspec.cache.build.input_plan import (EmptyInput, check_not_empty, index_
                                              plan_store, planned_manifest)
 from deepspec.cache.write.writer import CacheWriter
 from deepspec.config import CacheConfig
-from deepspec.devices import HostCopies
+from deepspec.devices import HostCopies, writer_threads
 from deepspec.models.capture import forward_capture
 from deepspec.models.target import check_layers, compute_fingerprint, compute_settings, load_causal_lm, load_identity
 from deepspec.progress import progress
@@ -235,7 +235,7 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
             derivation = prepare(cfg, manifest, url)  # where the store's parts can come from
             derivation.started = t_derive
             writer = CacheWriter(derivation.write_url, derivation.manifest(manifest), cfg.storage_options, rank=0,
-                                 prune_stale=prune_stale, run_id=run_id)
+                                 prune_stale=prune_stale, run_id=run_id, threads=writer_threads(device))
             if hooks is not None:
                 writer.on_commit = hooks.committed
         if world > 1:
@@ -243,7 +243,8 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
             plan = share(derivation.plan if rank == 0 else None)
             if rank > 0:
                 derivation = follow(url, plan, cfg.storage_options, manifest)
-                writer = CacheWriter(derivation.write_url, manifest, cfg.storage_options, rank=rank, run_id=run_id)
+                writer = CacheWriter(derivation.write_url, manifest, cfg.storage_options, rank=rank, run_id=run_id,
+                                     threads=writer_threads(device))
         index = None
         if index_from is not None and rank == 0:
             index = load_index(index_from, regen_path, index_key(regen_path, EncodeRules.of(cfg), ident))

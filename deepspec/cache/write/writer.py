@@ -44,7 +44,8 @@ class CacheWriter:
     default, or "hdf5"; backend.WritableStore). Rank 0 (the default) takes the store's lease
     (deepspec.cache.write.lease) before touching anything; the other ranks of the same job pass its
     `run_id` and join that lease. Call `release()` (or use the writer as a context manager) when
-    done. A store whose content fields (or backend) differ is pruned when `prune_stale` (default:
+    done. `threads`: how many threads write a streamed part's arrays at once (the part's shards,
+    where the backend writes them as files of their own). A store whose content fields (or backend) differ is pruned when `prune_stale` (default:
     local stores only), else refused.
 
     Parts are named by their content (format.part_name) and added beside the parts the root lists;
@@ -54,7 +55,7 @@ class CacheWriter:
 
     def __init__(self, url: str, manifest: dict, storage_options: dict | None = None,
                  queue_size: int = 2, rank: int = 0, prune_stale: bool | None = None, run_id: str | None = None,
-                 lease_ttl: float = DEFAULT_TTL_S):
+                 lease_ttl: float = DEFAULT_TTL_S, threads: int = 1):
         self.url = url
         self.manifest = Manifest.from_dict({k: v for k, v in dict(manifest).items()
                                             if k not in ("format", "format_version", "parts", "consolidated",
@@ -79,6 +80,7 @@ class CacheWriter:
             if rank == 0:
                 self._switch_backend(not self.remote if prune_stale is None else prune_stale)
             self.store: WritableStore = open_for_write(url, self.manifest.storage, storage_options)
+            self.store.write_threads = max(1, int(threads))
             if rank == 0:
                 self.store.refuse_foreign(self.keep_at_root)
                 # a remote store is named by its content (store.store_url): one that differs is someone

@@ -32,6 +32,14 @@ def h5_compression(codec: str) -> dict:
     return dict(hdf5plugin.Blosc(cname=cfg["cname"], clevel=cfg["clevel"], shuffle=shuffle))
 
 
+def _fed(rows: dict, name: str, shape: tuple, dtype) -> np.ndarray:
+    """One array's rows of a fed batch, refused (naming the array) unless they have its row shape."""
+    values = np.asarray(rows[name])
+    if values.shape[1:] != tuple(shape[1:]):
+        raise CacheFormatError(f"{name}: rows of shape {values.shape[1:]} fed to an array of rows {tuple(shape[1:])}")
+    return np.ascontiguousarray(values, dtype=np.dtype(dtype).newbyteorder("<"))
+
+
 def _spool(arrays: list[ArraySpec], feed, where: str) -> dict:
     """The rows of the arrays without `data`, taken from `feed` batch by batch into one raw file
     each beside the part file: HDF5 places a compressed dataset's chunks as they are written, so
@@ -44,7 +52,7 @@ def _spool(arrays: list[ArraySpec], feed, where: str) -> dict:
     taken = 0
     for rows in feed:
         for spec in streamed:
-            values = np.ascontiguousarray(rows[spec.name], dtype=np.dtype(spec.dtype).newbyteorder("<"))
+            values = _fed(rows, spec.name, spec.shape, spec.dtype)
             spools[spec.name].write(memoryview(values).cast("B"))
         taken += len(rows[streamed[0].name]) if streamed else 0
     if streamed and taken != streamed[0].shape[0]:
@@ -63,7 +71,7 @@ def _stream(dsets: dict, shapes: dict, chunk_rows: dict, feed) -> None:
     carry: dict = dict.fromkeys(dsets)
     for rows in feed:
         for name, d in dsets.items():
-            values = np.asarray(rows[name], dtype=d.dtype)
+            values = _fed(rows, name, shapes[name], d.dtype)
             total, chunk, start = shapes[name][0], chunk_rows[name], taken[name]
             if carry[name] is not None:  # first the chunk the last batch began: a chunk's rows copied, not the batch's
                 head = np.concatenate([carry[name], values[:chunk - len(carry[name])]])

@@ -15,6 +15,8 @@ from crc32c import crc32c
 from deepspec.cache.spec.format import BLOSC, CacheFormatError, crc_table
 
 
+# crc32c(data, value, gil_release_mode): 1 releases the GIL for a chunk of any size (by default only
+# from 32 KB), so a narrow array's checksums leave it to the thread computing the next batch
 # Bytes of back-to-back chunks handed to one write(): far fewer calls than a write per chunk (a
 # narrow array's chunk is a few KB), while single writes of 4 MB and more ran at a quarter of the
 # speed on a VM's page cache (benchmarks/cache_write.py --parts).
@@ -29,8 +31,8 @@ class ShardAppender:
     nbytes) pairs and the index's crc32c. Only a chunk's worth of rows is ever held, so a
     part's shard is written without the part in memory. The bytes equal `encode_shard` of all rows."""
 
-    def __init__(self, sink, rows: int, row_shape: tuple, dtype, chunk_rows: int, codec: str):
-        self.sink, self.rows, self.chunk_rows = sink, rows, chunk_rows
+    def __init__(self, sink, rows: int, row_shape: tuple, dtype, chunk_rows: int, codec: str, name: str = "shard"):
+        self.sink, self.rows, self.chunk_rows, self.name = sink, rows, chunk_rows, name
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.row_shape = tuple(row_shape)
         self.n_chunks = max(1, math.ceil(rows / chunk_rows))
@@ -54,9 +56,9 @@ class ShardAppender:
     def append(self, values: np.ndarray) -> None:
         values = np.asarray(values)
         if values.shape[1:] != self.row_shape:
-            raise CacheFormatError(f"rows of shape {values.shape[1:]} appended to an array of rows {self.row_shape}")
+            raise CacheFormatError(f"{self.name}: rows of shape {values.shape[1:]} appended to an array of rows {self.row_shape}")
         if self.written + len(values) > self.rows:
-            raise CacheFormatError(f"{self.written + len(values)} rows appended to an array of {self.rows}")
+            raise CacheFormatError(f"{self.name}: {self.written + len(values)} rows appended to an array of {self.rows}")
         self.written += len(values)
         values = values.astype(self.dtype, copy=False)
         at = 0
@@ -84,10 +86,10 @@ class ShardAppender:
         body = self._blosc.encode(flat) if self._blosc is not None else memoryview(flat)
         self.sink.write(body)
         if self._crcs is not None:
-            self._crcs[self._chunks] = crc32c(body)
+            self._crcs[self._chunks] = crc32c(body, 0, 1)
             size = len(body)
         else:
-            self.sink.write(crc32c(body).to_bytes(4, "little"))
+            self.sink.write(crc32c(body, 0, 1).to_bytes(4, "little"))
             size = len(body) + 4
         self.index[self._chunks] = (self._offset, size)
         self._chunks += 1
@@ -99,12 +101,15 @@ class ShardAppender:
         size = self.chunk_rows * int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
         step = max(1, RUN_BYTES // size) * size
         for a in range(0, len(flat), step):
-            self.sink.write(flat[a:a + step])
-        for k in range(len(flat) // size):
-            self._crcs[self._chunks] = crc32c(flat[k * size:(k + 1) * size])
-            self.index[self._chunks] = (self._offset, size)
-            self._chunks += 1
-            self._offset += size
+            run = flat[a:a + step]
+            # checksummed first, then written: the write's copy then reads bytes the checksum left
+            # in the CPU's cache, instead of a second pass over the whole batch from memory
+            for k in range(0, len(run), size):
+                self._crcs[self._chunks] = crc32c(run[k:k + size], 0, 1)
+                self.index[self._chunks] = (self._offset, size)
+                self._chunks += 1
+                self._offset += size
+            self.sink.write(run)
 
     @property
     def nbytes(self) -> int:
@@ -114,7 +119,7 @@ class ShardAppender:
     def finish(self) -> None:
         """The last (zero-padded) chunk, then the index: only once every row was appended."""
         if self.written != self.rows:
-            raise CacheFormatError(f"{self.written} of {self.rows} rows appended when the shard was closed")
+            raise CacheFormatError(f"{self.name}: {self.written} of {self.rows} rows appended when the shard was closed")
         if self._carried or self._chunks < self.n_chunks:  # no rows at all: one chunk of zeros
             last = np.zeros((self.chunk_rows, *self.row_shape), dtype=self.dtype)
             if self._carried:

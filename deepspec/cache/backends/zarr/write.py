@@ -3,9 +3,11 @@ parts, index arrays and the root manifest of a store `ZarrStore` (read.py) reads
 every shard itself (shard.py), and prunes what an interrupted writer leaves."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -35,23 +37,49 @@ def _chunking(spec: ArraySpec) -> tuple[tuple, tuple]:
     return chunks, (math.ceil(max(rows, 1) / chunks[0]) * chunks[0],) + shape[1:]
 
 
+# stand-ins for an array's row counts in its kind's document (_kind_document): no real array is
+# this long, and each appears in the document once
+_ROWS, _SHARD_ROWS, _CHUNK_ROWS = "-7000000001", "-7000000002", "-7000000003"
+
+
 def array_document(spec: ArraySpec) -> bytes:
-    """The `zarr.json` of a single-shard array, built with zarr-python's own metadata classes
-    without touching a store."""
+    """The `zarr.json` of a single-shard array: zarr-python's document for an array of its kind
+    (row shape, dtype, chunk rows, codec), built once with zarr-python's own metadata classes
+    without touching a store, with this array's row counts put in. Building one costs more than
+    writing a narrow array's rows, and a part has several of each kind (tests/cache/test_writer.py
+    compares the bytes with zarr-python's for each shape)."""
+    chunks, shards = _chunking(spec)
+    doc = _kind_document(tuple(spec.shape[1:]), np.dtype(spec.dtype).str, spec.chunk_rows, spec.codec)
+    for stand_in, rows in ((_ROWS, spec.shape[0]), (_SHARD_ROWS, shards[0]), (_CHUNK_ROWS, chunks[0])):
+        doc = doc.replace(stand_in, str(int(rows)))
+    return doc.encode()
+
+
+@functools.lru_cache(maxsize=64)
+def _kind_document(row_shape: tuple, dtype: str, chunk_rows: int, codec: str) -> str:
+    """zarr-python's document of an array of `chunk_rows` rows of this kind, its row counts replaced
+    by the stand-ins (its bytes are json.dumps(indent=2) of its content, as zarr-python writes them)."""
     from zarr.codecs import ShardingCodec
     from zarr.core.buffer import default_buffer_prototype
     from zarr.core.dtype import parse_dtype
     from zarr.core.metadata.v3 import ArrayV3Metadata
 
+    spec = ArraySpec("", None, chunk_rows, codec, (chunk_rows, *row_shape), np.dtype(dtype))
     chunks, shards = _chunking(spec)
-    dtype = np.dtype(spec.dtype)
     meta = ArrayV3Metadata(
-        shape=tuple(spec.shape), data_type=parse_dtype(dtype, zarr_format=3),
+        shape=tuple(spec.shape), data_type=parse_dtype(spec.dtype, zarr_format=3),
         chunk_grid={"name": "regular", "configuration": {"chunk_shape": shards}},
         chunk_key_encoding={"name": "default", "configuration": {"separator": "/"}}, fill_value=0,
-        codecs=[ShardingCodec(chunk_shape=chunks, codecs=inner_codecs(spec.codec, dtype.itemsize))],
+        codecs=[ShardingCodec(chunk_shape=chunks, codecs=inner_codecs(spec.codec, spec.dtype.itemsize))],
         attributes={CHUNK_CRC32C: "table"} if crc_table(spec.codec) else {}, dimension_names=None)
-    return meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
+    built = meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
+    doc = json.loads(built)
+    if json.dumps(doc, indent=2).encode() != built or any(s in built.decode() for s in (_ROWS, _SHARD_ROWS, _CHUNK_ROWS)):
+        raise CacheFormatError(f"zarr-python {zarr.__version__} writes array metadata this writer cannot reproduce")
+    doc["shape"][0] = int(_ROWS)
+    doc["chunk_grid"]["configuration"]["chunk_shape"][0] = int(_SHARD_ROWS)
+    doc["codecs"][0]["configuration"]["chunk_shape"][0] = int(_CHUNK_ROWS)
+    return json.dumps(doc, indent=2)
 
 
 def create_array_files(group_dir: Path, spec: ArraySpec) -> None:
@@ -272,6 +300,29 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
         else:
             sink.close()
 
+    def _append_all(self, feed, streamed: list, flush: FlushAhead) -> None:
+        """Every batch of `feed` appended to the shards of `streamed`; with `write_threads` > 1 a
+        batch's arrays are appended on that many threads at once (each shard is its own file, and
+        its checksums and writes release the GIL), a batch finishing before the next one starts."""
+        def append(item, rows) -> None:
+            spec, _, sink, shard = item
+            shard.append(rows[spec.name])
+            if not self.remote:
+                flush.wrote(sink, shard.nbytes)
+
+        threads = min(self.write_threads, len(streamed))
+        if threads <= 1:
+            for rows in feed:
+                for item in streamed:
+                    append(item, rows)
+            return
+        with ThreadPoolExecutor(threads, thread_name_prefix="shard-append") as pool:
+            for rows in feed:
+                running = [pool.submit(append, item, rows) for item in streamed]
+                wait(running)  # all of them, before a failure closes the shards under the others
+                for done in running:
+                    done.result()
+
     def write_part(self, name: str, arrays: list[ArraySpec], attrs: dict, rank: int, lease,
                    before=None, feed=None) -> PartEntry:
         return self.write_part_deferred(name, arrays, attrs, rank, lease, before=before, feed=feed)()
@@ -297,15 +348,11 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
                     continue
                 sink = self.open_shard(key)
                 streamed.append((spec, key, sink, ShardAppender(sink, spec.shape[0], spec.shape[1:], spec.dtype,
-                                                                chunk_rows, spec.codec)))
+                                                                chunk_rows, spec.codec, f"parts/{name}/{spec.name}")))
             if streamed:
                 # the part's streamed arrays take their rows batch by batch: what is held is a batch
                 # (and less than a chunk of each array), not the part
-                for rows in feed:
-                    for spec, _, sink, shard in streamed:
-                        shard.append(rows[spec.name])
-                        if not self.remote:
-                            flush.wrote(sink, shard.nbytes)
+                self._append_all(feed, streamed, flush)
                 for spec, key, sink, shard in streamed:
                     shard.finish()
                     flush.done(sink)
