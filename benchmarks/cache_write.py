@@ -2,6 +2,7 @@
 
     python benchmarks/cache_write.py [--target data/target] [--rows 600] [--repeat 8]
     python benchmarks/cache_write.py --parts [--widths 128,2560] [--part-tokens 16384] [--storage hdf5] [--code DIR]
+                                     [--threads 1,2]
 
 Prints
   1. writer MB/s vs raw numpy.memmap writes of the same bytes (ratio),
@@ -12,10 +13,13 @@ Needs data/target and data/regen/train.jsonl (run `make repro` first).
 
 `--parts` measures the streamed writer alone, as the cache stage and a read-through run feed it
 (CacheWriter.submit of a part's batches; the writer thread encodes, checksums, writes, fsyncs and
-commits), on synthetic bf16 bits of each width (5 layers and the last state, 512-token samples):
+commits), on synthetic bf16 bits of each width (5 layers and the last state, 512-token samples, part k's last
+sample k tokens shorter, so that no two parts have arrays of the same shape):
 ms per part and GB/s of state bytes, beside plain files of the same bytes (one file per array,
 written in 256 KB pieces, the fastest size on the VM this was written on, and fsynced at the end of
 each part: no chunks, checksums, metadata, commit or early writeback). With
+`--threads 1,2` the writer runs with each of these thread counts (CacheWriter's `threads`;
+the cache stage uses devices.writer_threads: one on a CPU). With
 `--code DIR` the writer of another checkout (e.g. a worktree of the previous commit) runs too,
 interleaved, each in a fresh process; the page cache is synced before every run.
 """
@@ -112,7 +116,8 @@ def quant_error(x: torch.Tensor) -> dict:
 PART_LAYERS = [1, 9, 17, 25, 33]
 
 
-def parts_child(width: int, part_tokens: int, parts: int, batch: int, raw: bool, storage: str = "zarr") -> dict:
+def parts_child(width: int, part_tokens: int, parts: int, batch: int, raw: bool, storage: str = "zarr",
+                threads: int = 1) -> dict:
     """One run of --parts in this process: the writer (of whichever checkout is on sys.path), or
     plain files."""
     rng = np.random.default_rng(0)
@@ -138,11 +143,12 @@ def parts_child(width: int, part_tokens: int, parts: int, batch: int, raw: bool,
 
             man = {"target": {"id": "bench", "hidden_size": width}, "layers": PART_LAYERS, "dtype": "bfloat16",
                    "codec": "none", "max_length": 1024, "chunk_tokens": 64, "hidden_size": width, "storage": storage}
-            writer = CacheWriter(str(Path(tmp) / "s.zarr"), man)
+            writer = CacheWriter(str(Path(tmp) / "s.zarr"), man, **({"threads": threads} if threads > 1 else {}))
             for p in range(parts):
                 lengths = np.full(n, 512, np.int64)
+                lengths[-1] -= p  # parts of the same shape would share their array documents
                 tokens = int(lengths.sum())
-                batches = ({a: (bits, None) for a in arrays} for _ in range(tokens // batch))
+                batches = ({a: (bits[:min(batch, tokens - at)], None) for a in arrays} for at in range(0, tokens, batch))
                 writer.submit(PartData(None, np.arange(p * n, (p + 1) * n, dtype=np.uint64), lengths,
                                        rng.integers(0, 1000, tokens).astype(np.int32), np.ones(tokens, np.uint8),
                                        batches=batches))
@@ -159,16 +165,18 @@ def parts_bench(args) -> None:
     import sys
 
     here = Path(__file__).resolve()
-    codes = [("this", here.parents[1])] + ([("--code", Path(args.code).resolve())] if args.code else [])
+    threads = [int(t) for t in args.threads.split(",")]
+    codes = [(f"this, {t} thr" if len(threads) > 1 else "this", here.parents[1], t) for t in threads]
+    codes += [("--code", Path(args.code).resolve(), 1)] if args.code else []
     rows = []
     for width in [int(w) for w in args.widths.split(",")]:
         parts = max(4, min(24, (2 << 30) // (args.part_tokens * width * 12)))  # about 2 GB a run at most
         got: dict = {}
         for rep in range(args.repeats):
-            for name, code in [*codes, ("plain files", None)]:
+            for name, code, n_threads in [*codes, ("plain files", None, 1)]:
                 os.sync()
                 cmd = [sys.executable, str(here), "--parts-child", str(width), str(args.part_tokens), str(parts),
-                       "--storage", args.storage]
+                       "--storage", args.storage, "--threads", str(n_threads)]
                 if code is None:
                     cmd.append("--raw")
                 env = dict(os.environ, PYTHONPATH=str(code or here.parents[1]))
@@ -182,9 +190,9 @@ def parts_bench(args) -> None:
             rows.append((width, parts, name, ms, statistics.median(r["GB_s"] for r in runs), ms / floor))
     print(f"\n{args.storage}: streamed parts of {args.part_tokens} tokens (5 layers + last, bf16), median of "
           f"{args.repeats} interleaved runs")
-    print(f"{'width':>6} {'parts':>5}  {'writer':<11} {'ms/part':>8} {'GB/s':>6} {'vs plain':>8}")
+    print(f"{'width':>6} {'parts':>5}  {'writer':<13} {'ms/part':>8} {'GB/s':>6} {'vs plain':>8}")
     for width, parts, name, ms, gbs, ratio in rows:
-        print(f"{width:>6} {parts:>5}  {name:<11} {ms:>8.1f} {gbs:>6.2f} {ratio:>7.2f}x")
+        print(f"{width:>6} {parts:>5}  {name:<13} {ms:>8.1f} {gbs:>6.2f} {ratio:>7.2f}x")
 
 
 def main() -> None:
@@ -194,6 +202,7 @@ def main() -> None:
     ap.add_argument("--part-tokens", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--code", help="with --parts: also the writer of this checkout")
+    ap.add_argument("--threads", default="1", help="with --parts: the writer's thread counts to run (e.g. 1,2)")
     ap.add_argument("--storage", default="zarr", choices=["zarr", "hdf5"], help="with --parts: the store's backend")
     ap.add_argument("--parts-child", nargs=3, type=int, help=argparse.SUPPRESS)
     ap.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
@@ -205,7 +214,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.parts_child:
         width, part_tokens, parts = args.parts_child
-        print(json.dumps(parts_child(width, part_tokens, parts, 4096, args.raw, args.storage)))
+        print(json.dumps(parts_child(width, part_tokens, parts, 4096, args.raw, args.storage, int(args.threads))))
         return
     if args.parts:
         parts_bench(args)

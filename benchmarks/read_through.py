@@ -1,6 +1,6 @@
 """train.capture: read-through against offline (cache stage, then train), side by side in one run.
 
-    python benchmarks/read_through.py [--cpu] [--rows N] [--steps N] [--window-parts W]
+    python benchmarks/read_through.py [--cpu] [--rows N] [--steps N] [--window-parts W] [--capture-only]
 
 On builtin:tiny (the embedded default's target, from the repo's DVC remote) and on a random target
 of Qwen3-4B's width and vocabulary (a few layers; gpu_check.wide_target), the same regen rows go
@@ -16,7 +16,8 @@ through, in order:
   read-through one as stages/train.py runs it: the store is full, so it is read as offline);
 - capture alone against capture with its write-back: every planned part's forward passes with the
   states copied to the host, without a writer and with one committing each part to a new store,
-  three interleaved pairs (the overhead is the median of the pairs' ratios).
+  three interleaved pairs (the overhead is the median of the pairs' ratios); the writer writes on
+  as many threads as the cache stage's (devices.writer_threads). `--capture-only` runs this alone.
 Prints per target: time to the first optimizer step and wall time of each run, the target forwards
 each ran, the write-back's cost over capture alone, the data-wait fraction of each second experiment
 (the store full), and whether the first drafts are equal (bit for bit on a CPU). The capture-rank
@@ -162,6 +163,7 @@ def capture_cost(work: Path, cache_cfg, layers, regen: Path, target: Path, devic
     from deepspec.cache.build.regen_rows import EncodeRules, part_samples
     from deepspec.cache.write.writer import CacheWriter
     from deepspec.models.target import load_identity
+    from deepspec.devices import writer_threads
 
     ident = load_identity(target)
     tokenizer, model = stage.load_target(target, device, stage.compute_of(cache_cfg, target, device))
@@ -180,7 +182,8 @@ def capture_cost(work: Path, cache_cfg, layers, regen: Path, target: Path, devic
         url = work / f"writeback{rep}.zarr"
         cfg = dataclasses.replace(cache_cfg, url=str(url))
         t = clock.now()
-        writer = CacheWriter(str(url), stage.cache_manifest(cfg, layers, ident, stage.compute_of(cfg, target, device)))
+        writer = CacheWriter(str(url), stage.cache_manifest(cfg, layers, ident, stage.compute_of(cfg, target, device)),
+                             threads=writer_threads(device))
         for name, samples in parts:
             stage.compute_part(model, name, samples, layers, cfg.batch_tokens, pad, device, cfg.dtype, writer=writer)
         writer.close(consolidate=False)
@@ -196,7 +199,7 @@ def capture_cost(work: Path, cache_cfg, layers, regen: Path, target: Path, devic
     alone, written = statistics.median(out["alone_s"]), statistics.median(out["written_s"])
     ratio = statistics.median(w / a for a, w in zip(out["alone_s"], out["written_s"]))
     return {"capture_alone_s": round(alone, 3), "capture_written_s": round(written, 3),
-            "writeback_overhead": round(ratio - 1, 3)}
+            "writeback_overhead": round(ratio - 1, 3), "writer_threads": writer_threads(device), "parts": len(parts)}
 
 
 def same_draft(a: Path, b: Path) -> bool:
@@ -221,6 +224,9 @@ def bench(kind: str, target: Path, root: Path, size: dict, args, device, clock) 
     layers = LAYERS[kind]
     cache = CacheConfig(url=str(work / "offline.zarr"), batch_tokens=size["batch_tokens"],
                         part_tokens=size["part_tokens"])
+    if args.capture_only:
+        capture = capture_cost(work, cache, layers, regen, target, device, clock)
+        return {"capture": capture, "parts": capture.pop("parts"), "samples": len(rows), "layers": layers}
     cfg = TrainConfig(**size["train"], steps=args.steps, warmup_steps=2, window_parts=args.window_parts,
                       checkpoint_every=10 ** 6)
     second = dataclasses.replace(cfg, lr=cfg.lr / 2)
@@ -251,6 +257,7 @@ def bench(kind: str, target: Path, root: Path, size: dict, args, device, clock) 
     res["read_through_2nd"] = train(work, "read_through_2nd", dataclasses.replace(second, capture="read-through"),
                                     layers, target, device, clock, t0, url=full["url"])
     res["capture"] = capture_cost(work, cache, layers, regen, target, device, clock)
+    res["capture"].pop("parts")
     res["same_draft"] = same_draft(work / "draft-offline", work / "draft-read_through")
     if res["read_through_ranks"] is not None and res["read_through_ranks"]["threads"] == torch.get_num_threads():
         res["same_draft_ranks"] = same_draft(work / "draft-offline", work / "draft-ranks")
@@ -265,6 +272,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--window-parts", type=int, default=2)
     ap.add_argument("--only", choices=["tiny", "wide"], help="one target only")
+    ap.add_argument("--capture-only", action="store_true", help="only capture alone against capture with its write-back")
     ap.add_argument("--ranks-child", type=Path, help=argparse.SUPPRESS)  # a process of ranks_run's torchrun
     args = ap.parse_args()
     if args.ranks_child:
@@ -287,6 +295,8 @@ def main() -> int:
                   f"window_parts {args.window_parts}, {device.type}")
             print(f"{'run':<22}{'first step s':>14}{'wall s':>10}{'target forwards':>17}{'data wait':>11}")
             for run in ("offline", "read_through", "read_through_ranks", "offline_2nd", "read_through_2nd"):
+                if run not in r:
+                    continue
                 x = r[run]
                 if x is None:
                     print(f"{run:<22}(needs 2 GPUs)")
@@ -294,8 +304,11 @@ def main() -> int:
                 print(f"{run:<22}{x['first_step_s']:>14}{x['wall_s']:>10}{x['target_forwards']:>17}"
                       f"{x['data_wait_fraction']:>11}")
             c = r["capture"]
-            print(f"capture alone {c['capture_alone_s']} s, with write-back {c['capture_written_s']} s: "
-                  f"overhead {100 * c['writeback_overhead']:.1f} %")
+            print(f"capture alone {c['capture_alone_s']} s, with write-back {c['capture_written_s']} s "
+                  f"({c['writer_threads']} writer threads): overhead {100 * c['writeback_overhead']:.1f} %")
+            print(f"FIGURE {kind}.writeback_overhead_pct = {100 * c['writeback_overhead']:.1f}")
+            if args.capture_only:
+                continue
             print(f"read-through draft equals offline draft: {r['same_draft']}"
                   + (f"; with a capture rank: {r['same_draft_ranks']}" if "same_draft_ranks" in r else ""))
             if r["read_through_ranks"] is not None:
@@ -304,7 +317,6 @@ def main() -> int:
             ratio = r["read_through"]["first_step_s"] / r["offline"]["first_step_s"]
             print(f"FIGURE {kind}.first_step_ratio = {ratio:.3f}")
             print(f"FIGURE {kind}.second_forwards = {r['read_through_2nd']['target_forwards']}")
-            print(f"FIGURE {kind}.writeback_overhead_pct = {100 * c['writeback_overhead']:.1f}")
             print(f"FIGURE {kind}.same_draft = {r['same_draft']}")
     print(json.dumps(results, indent=1))
     return 0
