@@ -227,6 +227,33 @@ def test_each_rank_tokenises_only_its_share_of_the_input(tmp_path, trained_targe
     assert array_hashes(str(two / "data/cache.zarr")) == array_hashes(str(one / "data/cache.zarr"))
 
 
+def test_a_build_beside_a_gpu_writes_on_several_threads_and_equals_a_one_thread_build(tmp_path, trained_target,
+                                                                                       monkeypatch):
+    """The cache stage's writer takes its thread count from devices.writer_threads (several beside a
+    GPU); every file of every part is the one a writer on one thread writes."""
+    from deepspec.cache.backends.zarr.write import ZarrStoreWriter
+
+    seen = []
+    append_all = ZarrStoreWriter._append_all
+
+    def watched(self, *a):
+        seen.append(self.write_threads)
+        return append_all(self, *a)
+
+    monkeypatch.setattr(ZarrStoreWriter, "_append_all", watched)
+    rows = many_rows(1)
+    stores = {}
+    for threads in (1, 3):
+        monkeypatch.setattr(build_mod, "writer_threads", lambda device, n=threads: n)
+        work = workdir(tmp_path / str(threads), trained_target, rows)
+        build(work, part_tokens=300)
+        root = work / "data" / "cache.zarr"
+        stores[threads] = {str(f.relative_to(root)): f.read_bytes() for f in sorted((root / "parts").rglob("*"))
+                           if f.is_file()}
+    assert sorted(set(seen)) == [1, 3] and len(seen) >= 4
+    assert len(stores[1]) > 10 and stores[3] == stores[1]
+
+
 def test_build_holds_a_bounded_number_of_samples(tmp_path, trained_target, monkeypatch):
     """Every Sample (a row's token lists) is counted while alive: the build never holds more than
     about one part's worth, however many rows the input has."""
