@@ -44,13 +44,19 @@ def test_encoded_shard_equals_zarr_python(tmp_path, dtype, shape, chunk, codec):
                                                  ("uint16", (5, 24), 16), ("int32", (1023,), 1024)])
 @pytest.mark.parametrize("codec", ["none", "blosc-zstd"])
 @pytest.mark.parametrize("name", ["a", "hidden/9"])
-def test_array_metadata_equals_what_zarr_python_writes(tmp_path, dtype, shape, chunk, codec, name):
+@pytest.mark.parametrize("whole", [False, True])
+def test_array_metadata_equals_what_zarr_python_writes(tmp_path, dtype, shape, chunk, codec, name, whole, monkeypatch):
     """A local writer writes each array's metadata itself: byte for byte the files zarr-python's
     create_array writes for the same array (a nested one's parent group too), created the way the
-    writer once created it."""
+    writer once created it; from its kind's document with the row counts put in, or (`whole`, what
+    a zarr-python whose documents the writer cannot fill in gets) built whole."""
     from deepspec.cache.backends.base import ArraySpec
+    from deepspec.cache.backends.zarr import write
     from deepspec.cache.backends.zarr.write import create_array_files
     from deepspec.cache.spec.format import CHUNK_CRC32C
+
+    if whole:
+        monkeypatch.setattr(write, "_kind_document", lambda *a: None)
 
     codecs = inner_codecs(codec, np.dtype(dtype).itemsize)
     chunks = (min(chunk, max(shape[0], 1)),) + shape[1:]

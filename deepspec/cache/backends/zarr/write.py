@@ -48,38 +48,46 @@ def array_document(spec: ArraySpec) -> bytes:
     without touching a store, with this array's row counts put in. Building one costs more than
     writing a narrow array's rows, and a part has several of each kind (tests/cache/test_writer.py
     compares the bytes with zarr-python's for each shape)."""
-    chunks, shards = _chunking(spec)
     doc = _kind_document(tuple(spec.shape[1:]), np.dtype(spec.dtype).str, spec.chunk_rows, spec.codec)
+    if doc is None:
+        return _zarr_document(spec)
+    chunks, shards = _chunking(spec)
     for stand_in, rows in ((_ROWS, spec.shape[0]), (_SHARD_ROWS, shards[0]), (_CHUNK_ROWS, chunks[0])):
         doc = doc.replace(stand_in, str(int(rows)))
     return doc.encode()
 
 
 @functools.lru_cache(maxsize=64)
-def _kind_document(row_shape: tuple, dtype: str, chunk_rows: int, codec: str) -> str:
+def _kind_document(row_shape: tuple, dtype: str, chunk_rows: int, codec: str) -> str | None:
     """zarr-python's document of an array of `chunk_rows` rows of this kind, its row counts replaced
-    by the stand-ins (its bytes are json.dumps(indent=2) of its content, as zarr-python writes them)."""
+    by the stand-ins; None where its bytes are not json.dumps(indent=2) of its content (a zarr-python
+    that writes them otherwise: each document is then built whole)."""
+    built = _zarr_document(ArraySpec("", None, chunk_rows, codec, (chunk_rows, *row_shape), np.dtype(dtype)))
+    doc = json.loads(built)
+    if json.dumps(doc, indent=2).encode() != built or any(s in built.decode() for s in (_ROWS, _SHARD_ROWS, _CHUNK_ROWS)):
+        return None
+    doc["shape"][0] = int(_ROWS)
+    doc["chunk_grid"]["configuration"]["chunk_shape"][0] = int(_SHARD_ROWS)
+    doc["codecs"][0]["configuration"]["chunk_shape"][0] = int(_CHUNK_ROWS)
+    return json.dumps(doc, indent=2)
+
+
+def _zarr_document(spec: ArraySpec) -> bytes:
+    """The `zarr.json` zarr-python's own metadata classes build for the array."""
     from zarr.codecs import ShardingCodec
     from zarr.core.buffer import default_buffer_prototype
     from zarr.core.dtype import parse_dtype
     from zarr.core.metadata.v3 import ArrayV3Metadata
 
-    spec = ArraySpec("", None, chunk_rows, codec, (chunk_rows, *row_shape), np.dtype(dtype))
     chunks, shards = _chunking(spec)
+    dtype = np.dtype(spec.dtype)
     meta = ArrayV3Metadata(
-        shape=tuple(spec.shape), data_type=parse_dtype(spec.dtype, zarr_format=3),
+        shape=tuple(spec.shape), data_type=parse_dtype(dtype, zarr_format=3),
         chunk_grid={"name": "regular", "configuration": {"chunk_shape": shards}},
         chunk_key_encoding={"name": "default", "configuration": {"separator": "/"}}, fill_value=0,
-        codecs=[ShardingCodec(chunk_shape=chunks, codecs=inner_codecs(spec.codec, spec.dtype.itemsize))],
+        codecs=[ShardingCodec(chunk_shape=chunks, codecs=inner_codecs(spec.codec, dtype.itemsize))],
         attributes={CHUNK_CRC32C: "table"} if crc_table(spec.codec) else {}, dimension_names=None)
-    built = meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
-    doc = json.loads(built)
-    if json.dumps(doc, indent=2).encode() != built or any(s in built.decode() for s in (_ROWS, _SHARD_ROWS, _CHUNK_ROWS)):
-        raise CacheFormatError(f"zarr-python {zarr.__version__} writes array metadata this writer cannot reproduce")
-    doc["shape"][0] = int(_ROWS)
-    doc["chunk_grid"]["configuration"]["chunk_shape"][0] = int(_SHARD_ROWS)
-    doc["codecs"][0]["configuration"]["chunk_shape"][0] = int(_CHUNK_ROWS)
-    return json.dumps(doc, indent=2)
+    return meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
 
 
 def create_array_files(group_dir: Path, spec: ArraySpec) -> None:
