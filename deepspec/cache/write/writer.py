@@ -45,8 +45,8 @@ class CacheWriter:
     (deepspec.cache.write.lease) before touching anything; the other ranks of the same job pass its
     `run_id` and join that lease. Call `release()` (or use the writer as a context manager) when
     done. `threads`: how many threads write a streamed part's arrays at once (the part's shards,
-    where the backend writes them as files of their own). A store whose content fields (or backend) differ is pruned when `prune_stale` (default:
-    local stores only), else refused.
+    where the backend writes them as files of their own). A store whose content fields (or
+    backend) differ is pruned when `prune_stale` (default: local stores only), else refused.
 
     Parts are named by their content (format.part_name) and added beside the parts the root lists;
     readers see the root's parts until `write_manifest` switches the root to a new list in one

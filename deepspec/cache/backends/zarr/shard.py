@@ -15,8 +15,10 @@ from crc32c import crc32c
 from deepspec.cache.spec.format import BLOSC, CacheFormatError, crc_table
 
 
-# crc32c(data, value, gil_release_mode): 1 releases the GIL for a chunk of any size (by default only
-# from 32 KB), so a narrow array's checksums leave it to the thread computing the next batch
+# crc32c's gil_release_mode that releases the GIL for a chunk of any size (by default only from
+# 32 KB): a narrow array's checksums then leave it to the thread computing the next batch
+RELEASE_GIL = 1
+
 # Bytes of back-to-back chunks handed to one write(): far fewer calls than a write per chunk (a
 # narrow array's chunk is a few KB), while single writes of 4 MB and more ran at a quarter of the
 # speed on a VM's page cache (benchmarks/cache_write.py --parts).
@@ -56,9 +58,11 @@ class ShardAppender:
     def append(self, values: np.ndarray) -> None:
         values = np.asarray(values)
         if values.shape[1:] != self.row_shape:
-            raise CacheFormatError(f"{self.name}: rows of shape {values.shape[1:]} appended to an array of rows {self.row_shape}")
+            raise CacheFormatError(f"{self.name}: rows of shape {values.shape[1:]} appended to an array of rows "
+                                   f"{self.row_shape}")
         if self.written + len(values) > self.rows:
-            raise CacheFormatError(f"{self.name}: {self.written + len(values)} rows appended to an array of {self.rows}")
+            raise CacheFormatError(f"{self.name}: {self.written + len(values)} rows appended to an array of "
+                                   f"{self.rows}")
         self.written += len(values)
         values = values.astype(self.dtype, copy=False)
         at = 0
@@ -86,10 +90,10 @@ class ShardAppender:
         body = self._blosc.encode(flat) if self._blosc is not None else memoryview(flat)
         self.sink.write(body)
         if self._crcs is not None:
-            self._crcs[self._chunks] = crc32c(body, 0, 1)
+            self._crcs[self._chunks] = crc32c(body, 0, RELEASE_GIL)
             size = len(body)
         else:
-            self.sink.write(crc32c(body, 0, 1).to_bytes(4, "little"))
+            self.sink.write(crc32c(body, 0, RELEASE_GIL).to_bytes(4, "little"))
             size = len(body) + 4
         self.index[self._chunks] = (self._offset, size)
         self._chunks += 1
@@ -105,7 +109,7 @@ class ShardAppender:
             # checksummed first, then written: the write's copy then reads bytes the checksum left
             # in the CPU's cache, instead of a second pass over the whole batch from memory
             for k in range(0, len(run), size):
-                self._crcs[self._chunks] = crc32c(run[k:k + size], 0, 1)
+                self._crcs[self._chunks] = crc32c(run[k:k + size], 0, RELEASE_GIL)
                 self.index[self._chunks] = (self._offset, size)
                 self._chunks += 1
                 self._offset += size
@@ -119,7 +123,8 @@ class ShardAppender:
     def finish(self) -> None:
         """The last (zero-padded) chunk, then the index: only once every row was appended."""
         if self.written != self.rows:
-            raise CacheFormatError(f"{self.name}: {self.written} of {self.rows} rows appended when the shard was closed")
+            raise CacheFormatError(f"{self.name}: {self.written} of {self.rows} rows appended when the shard was "
+                                   "closed")
         if self._carried or self._chunks < self.n_chunks:  # no rows at all: one chunk of zeros
             last = np.zeros((self.chunk_rows, *self.row_shape), dtype=self.dtype)
             if self._carried:

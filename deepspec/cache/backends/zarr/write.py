@@ -64,7 +64,8 @@ def _kind_document(row_shape: tuple, dtype: str, chunk_rows: int, codec: str) ->
     that writes them otherwise: each document is then built whole)."""
     built = _zarr_document(ArraySpec("", None, chunk_rows, codec, (chunk_rows, *row_shape), np.dtype(dtype)))
     doc = json.loads(built)
-    if json.dumps(doc, indent=2).encode() != built or any(s in built.decode() for s in (_ROWS, _SHARD_ROWS, _CHUNK_ROWS)):
+    if json.dumps(doc, indent=2).encode() != built or any(s in built.decode() for s in (_ROWS, _SHARD_ROWS,
+                                                                                          _CHUNK_ROWS)):
         return None
     doc["shape"][0] = int(_ROWS)
     doc["chunk_grid"]["configuration"]["chunk_shape"][0] = int(_SHARD_ROWS)
