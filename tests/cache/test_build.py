@@ -135,7 +135,8 @@ def test_multi_rank_resume_equals_an_uninterrupted_multi_rank_build(tmp_path, tr
     assert set(committed(clean_url).values()) == {0, 1} and len(committed(clean_url)) >= 8
 
     # the same job killed after rank 0 committed two parts and rank 1 one: each rank's next forward
-    # pass waits for its commits, then fails
+    # pass waits for every rank's commits, then fails. (Not only its own: a rank 0 that failed first
+    # would give up the job's lease, and rank 1, which commits under it, could then commit nothing.)
     crash = workdir(tmp_path / "crash", trained_target, rows)
     crash_url = str(crash / "data/cache.zarr")
     compute_part, calls, keep = build_mod.compute_part, {}, {0: 2, 1: 1}
@@ -144,10 +145,9 @@ def test_multi_rank_resume_equals_an_uninterrupted_multi_rank_build(tmp_path, tr
         rank = RANK.value
         n = calls[rank] = calls.get(rank, 0) + 1
         if n > keep[rank]:
-            deadline = time.time() + 600  # a guard against a hang, not a speed check: with the rest of
-            # make test on the same 2 cores these commits once took over a minute
-            while sum(1 for v in committed(crash_url).values() if v == rank) < keep[rank]:
-                assert time.time() < deadline
+            deadline = time.time() + 600  # a guard against a hang, not a speed check
+            while sorted(committed(crash_url).values()) != [0, 0, 1]:
+                assert time.time() < deadline, committed(crash_url)
                 time.sleep(0.01)
             raise RuntimeError("injected crash")
         return compute_part(*a, **k)
