@@ -243,6 +243,29 @@ def test_another_process_sees_a_part_committed_only_once_its_commit_is_done(wher
     w.release()
 
 
+def test_a_dropped_s3_shard_uploads_nothing_then_or_when_collected(moto):
+    """A part that fails drops its open S3 shards: the upload is aborted, and the file object is
+    closed with it, so that closing it again (its __del__, wherever the collector runs it) neither
+    uploads the discarded buffer nor raises."""
+    import fsspec
+
+    from deepspec.cache.backends.zarr.write import ZarrStoreWriter
+    from deepspec.cache.storage.urls import storage_options_for
+
+    bucket = f"conf-{uuid.uuid4().hex[:12]}"
+    moto.bucket(bucket)
+    url = f"s3://{bucket}/store"
+    store = ZarrStoreWriter(url, moto.storage_options)
+    sink = store.open_shard("parts/p000000/last_hidden/c/0/0")
+    sink.write(b"x" * (6 << 20))  # buffered toward its first upload block
+    store.drop_shard(sink)
+    assert sink.closed
+    sink.close()
+    fs, root = fsspec.core.url_to_fs(url, **storage_options_for(url, moto.storage_options))
+    fs.invalidate_cache()
+    assert not fs.exists(f"{root}/parts/p000000/last_hidden/c/0/0")
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_an_s3_shard_larger_than_an_upload_block_is_a_create_only_multipart_upload(moto, monkeypatch, threads):
     """A streamed shard goes to S3 as it is written, block by block (the reference's 5.4 GB hidden

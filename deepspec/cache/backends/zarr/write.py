@@ -306,6 +306,9 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
             return
         if hasattr(sink, "discard"):
             sink.discard()
+            # discard() leaves the file open, and closing it (its __del__ does) would upload the
+            # buffer discard() dropped: an error raised wherever the collector happens to run
+            sink.closed = True
         else:
             sink.close()
 
