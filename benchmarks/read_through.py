@@ -226,7 +226,7 @@ def bench(kind: str, target: Path, root: Path, size: dict, args, device, clock) 
                         part_tokens=size["part_tokens"])
     if args.capture_only:
         capture = capture_cost(work, cache, layers, regen, target, device, clock)
-        return {"capture": capture, "parts": capture.pop("parts"), "samples": len(rows), "layers": layers}
+        return {"capture": capture, "parts": capture["parts"], "samples": len(rows), "layers": layers}
     cfg = TrainConfig(**size["train"], steps=args.steps, warmup_steps=2, window_parts=args.window_parts,
                       checkpoint_every=10 ** 6)
     second = dataclasses.replace(cfg, lr=cfg.lr / 2)
@@ -257,7 +257,6 @@ def bench(kind: str, target: Path, root: Path, size: dict, args, device, clock) 
     res["read_through_2nd"] = train(work, "read_through_2nd", dataclasses.replace(second, capture="read-through"),
                                     layers, target, device, clock, t0, url=full["url"])
     res["capture"] = capture_cost(work, cache, layers, regen, target, device, clock)
-    res["capture"].pop("parts")
     res["same_draft"] = same_draft(work / "draft-offline", work / "draft-read_through")
     if res["read_through_ranks"] is not None and res["read_through_ranks"]["threads"] == torch.get_num_threads():
         res["same_draft_ranks"] = same_draft(work / "draft-offline", work / "draft-ranks")
