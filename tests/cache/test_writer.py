@@ -51,12 +51,12 @@ def test_array_metadata_equals_what_zarr_python_writes(tmp_path, dtype, shape, c
     writer once created it; from its kind's document with the row counts put in, or (`whole`, what
     a zarr-python whose documents the writer cannot fill in gets) built whole."""
     from deepspec.cache.backends.base import ArraySpec
-    from deepspec.cache.backends.zarr import write
-    from deepspec.cache.backends.zarr.write import create_array_files
+    from deepspec.cache.backends.zarr import documents
+    from deepspec.cache.backends.zarr.documents import create_array_files
     from deepspec.cache.spec.format import CHUNK_CRC32C
 
     if whole:
-        monkeypatch.setattr(write, "_kind_document", lambda *a: None)
+        monkeypatch.setattr(documents, "_kind_document", lambda *a: None)
 
     codecs = inner_codecs(codec, np.dtype(dtype).itemsize)
     chunks = (min(chunk, max(shape[0], 1)),) + shape[1:]
@@ -71,6 +71,37 @@ def test_array_metadata_equals_what_zarr_python_writes(tmp_path, dtype, shape, c
     def files(root):
         return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
+    assert files(tmp_path / "ours") == files(tmp_path / "theirs")
+
+
+def test_part_group_files_equal_what_zarr_python_writes(tmp_path):
+    """A local writer creates a part's group and later replaces its attributes with the commit record
+    itself: the same files zarr-python's create_group then attrs.put write; a second creation of
+    the same group, or of a group where an array is, fails."""
+    from deepspec.cache.backends.zarr.documents import create_group_files, group_document
+
+    attrs = {"committed": True, "samples": 2, "tokens": 7, "lengths": [3, 4], "keys": ["ab" * 16, "cd" * 16],
+             "note": "é\u2028"}
+    theirs = zarr.open_group(str(tmp_path / "theirs"), mode="a", zarr_format=3)
+    zarr.open_group(str(tmp_path / "ours"), mode="a", zarr_format=3)
+    for path in ("parts/p1", "parts/p2", "a/b/c"):
+        theirs.create_group(path, attributes={"committed": False})
+        create_group_files(tmp_path / "ours", path, {"committed": False})
+
+    def files(root):
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+    assert files(tmp_path / "ours") == files(tmp_path / "theirs")
+    theirs["parts/p1"].attrs.put(attrs)
+    (tmp_path / "ours" / "parts" / "p1" / "zarr.json").write_bytes(group_document({"committed": False, **attrs}))
+    assert files(tmp_path / "ours") == files(tmp_path / "theirs")
+
+    with pytest.raises(FileExistsError):
+        create_group_files(tmp_path / "ours", "parts/p1", {"committed": False})
+    theirs.create_array("parts/arr", shape=(1,), dtype="uint8")
+    zarr.open_group(str(tmp_path / "ours"), mode="a")["parts"].create_array("arr", shape=(1,), dtype="uint8")
+    with pytest.raises(FileExistsError):
+        create_group_files(tmp_path / "ours", "parts/arr", {"committed": False})
     assert files(tmp_path / "ours") == files(tmp_path / "theirs")
 
 

@@ -37,6 +37,7 @@ class ShardAppender:
         self.sink, self.rows, self.chunk_rows, self.name = sink, rows, chunk_rows, name
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.row_shape = tuple(row_shape)
+        self.chunk_bytes = chunk_rows * math.prod(self.row_shape) * self.dtype.itemsize
         self.n_chunks = max(1, math.ceil(rows / chunk_rows))
         self.index = np.empty((self.n_chunks, 2), dtype="<u8")
         self.written = 0   # rows taken
@@ -102,7 +103,7 @@ class ShardAppender:
     def _write_run(self, rows: np.ndarray) -> None:
         """Whole uncompressed chunks in one write, each chunk's crc32c into the table."""
         flat = memoryview(np.ascontiguousarray(rows).reshape(-1).view(np.uint8))
-        size = self.chunk_rows * int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+        size = self.chunk_bytes
         step = max(1, RUN_BYTES // size) * size
         for a in range(0, len(flat), step):
             run = flat[a:a + step]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
+import os
 from concurrent.futures import ThreadPoolExecutor, wait
-from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 import zarr
@@ -19,96 +19,20 @@ from deepspec.cache.spec.format import (CHUNK_CRC32C, FORMAT, INDEX_COLUMNS, Cac
                                        inner_codecs)
 from deepspec.cache.spec.manifest import Manifest, PartEntry
 from deepspec.cache.storage.urls import local_path, storage_options_for
-from deepspec.cache.storage.durable import FlushAhead, fsync_tree
+from deepspec.cache.storage.durable import FlushAhead, durable_replace, fsync_tree
 from deepspec.cache.storage.fenced import PartConflict, open_store, refused_as_existing
 from deepspec.io import fsync_path
+from deepspec.cache.backends.zarr.documents import (chunking, create_array_files, create_group_files,
+                                                   group_document)
 from deepspec.cache.backends.zarr.layout import part_damage
 from deepspec.cache.backends.zarr.shard import ShardAppender, encode_shard
 from deepspec.cache.backends.zarr.read import INDEX_ARRAY, ZarrStore
 
 log = logging.getLogger(__name__)
 
-
-def _chunking(spec: ArraySpec) -> tuple[tuple, tuple]:
-    """(inner chunk shape, shard shape) of an array: one shard holding every row."""
-    shape = tuple(spec.shape)
-    rows = shape[0]
-    chunks = (min(spec.chunk_rows, max(rows, 1)),) + shape[1:]
-    return chunks, (math.ceil(max(rows, 1) / chunks[0]) * chunks[0],) + shape[1:]
-
-
-# stand-ins for an array's row counts in its kind's document (_kind_document): no real array is
-# this long, and each appears in the document once
-_ROWS, _SHARD_ROWS, _CHUNK_ROWS = "-7000000001", "-7000000002", "-7000000003"
-
-
-def array_document(spec: ArraySpec) -> bytes:
-    """The `zarr.json` of a single-shard array: zarr-python's document for an array of its kind
-    (row shape, dtype, chunk rows, codec), built once with zarr-python's own metadata classes
-    without touching a store, with this array's row counts put in. Building one costs more than
-    writing a narrow array's rows, and a part has several of each kind (tests/cache/test_writer.py
-    compares the bytes with zarr-python's for each shape)."""
-    doc = _kind_document(tuple(spec.shape[1:]), np.dtype(spec.dtype).str, spec.chunk_rows, spec.codec)
-    if doc is None:
-        return _zarr_document(spec)
-    chunks, shards = _chunking(spec)
-    for stand_in, rows in ((_ROWS, spec.shape[0]), (_SHARD_ROWS, shards[0]), (_CHUNK_ROWS, chunks[0])):
-        doc = doc.replace(stand_in, str(int(rows)))
-    return doc.encode()
-
-
-@functools.lru_cache(maxsize=64)
-def _kind_document(row_shape: tuple, dtype: str, chunk_rows: int, codec: str) -> str | None:
-    """zarr-python's document of an array of `chunk_rows` rows of this kind, its row counts replaced
-    by the stand-ins; None where its bytes are not json.dumps(indent=2) of its content (a zarr-python
-    that writes them otherwise: each document is then built whole)."""
-    built = _zarr_document(ArraySpec("", None, chunk_rows, codec, (chunk_rows, *row_shape), np.dtype(dtype)))
-    doc = json.loads(built)
-    if json.dumps(doc, indent=2).encode() != built or any(s in built.decode() for s in (_ROWS, _SHARD_ROWS,
-                                                                                          _CHUNK_ROWS)):
-        return None
-    doc["shape"][0] = int(_ROWS)
-    doc["chunk_grid"]["configuration"]["chunk_shape"][0] = int(_SHARD_ROWS)
-    doc["codecs"][0]["configuration"]["chunk_shape"][0] = int(_CHUNK_ROWS)
-    return json.dumps(doc, indent=2)
-
-
-def _zarr_document(spec: ArraySpec) -> bytes:
-    """The `zarr.json` zarr-python's own metadata classes build for the array."""
-    from zarr.codecs import ShardingCodec
-    from zarr.core.buffer import default_buffer_prototype
-    from zarr.core.dtype import parse_dtype
-    from zarr.core.metadata.v3 import ArrayV3Metadata
-
-    chunks, shards = _chunking(spec)
-    dtype = np.dtype(spec.dtype)
-    meta = ArrayV3Metadata(
-        shape=tuple(spec.shape), data_type=parse_dtype(dtype, zarr_format=3),
-        chunk_grid={"name": "regular", "configuration": {"chunk_shape": shards}},
-        chunk_key_encoding={"name": "default", "configuration": {"separator": "/"}}, fill_value=0,
-        codecs=[ShardingCodec(chunk_shape=chunks, codecs=inner_codecs(spec.codec, dtype.itemsize))],
-        attributes={CHUNK_CRC32C: "table"} if crc_table(spec.codec) else {}, dimension_names=None)
-    return meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
-
-
-def create_array_files(group_dir: Path, spec: ArraySpec) -> None:
-    """What zarr-python's create_array writes into a local group for a new array (`spec.name` may
-    be nested, "hidden/9"): the array's zarr.json and, for each level between the group and the
-    array, a group's zarr.json where there is none yet."""
-    from zarr.core.buffer import default_buffer_prototype
-    from zarr.core.group import GroupMetadata
-
-    path = group_dir / spec.name
-    path.mkdir(parents=True, exist_ok=True)
-    for parent in list(Path(spec.name).parents)[:-1]:
-        try:
-            with open(group_dir / parent / "zarr.json", "xb") as f:
-                f.write(GroupMetadata(zarr_format=3).to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes())
-        except FileExistsError:
-            pass
-    # "x": never overwrite, as create_array(overwrite=False): it may be another writer's part
-    with open(path / "zarr.json", "xb") as f:
-        f.write(array_document(spec))
+# a part group's attributes until its commit record replaces them; read-only, as zarr-python
+# updates a group's attributes in the dict it was created with
+UNCOMMITTED = MappingProxyType({"committed": False})
 
 
 class ZarrStoreWriter(ZarrStore, WritableStore):
@@ -122,6 +46,11 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
 
     def __getstate__(self):
         return dict(super().__getstate__(), _wfs=None)
+
+    @functools.cached_property
+    def _local_root(self) -> str:
+        """A local store's directory, as the path string the part writer joins its keys to."""
+        return os.fspath(local_path(self.url))
 
     # ---- manifest ----------------------------------------------------------------------------
     def write_manifest(self, manifest: Manifest) -> None:
@@ -219,6 +148,18 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
         self.__dict__.pop("root", None)  # reopened on next use
 
     # ---- writing -----------------------------------------------------------------------------
+    def _create_part_group(self, name: str) -> zarr.Group:
+        """The new part's group, uncommitted. On a local store its files are written here
+        (documents.py) and the group is opened without reading them back."""
+        if self.remote:
+            return self.root.create_group(f"parts/{name}", attributes=dict(UNCOMMITTED))
+        from zarr.core.group import GroupMetadata
+        from zarr.storage import StorePath
+
+        create_group_files(self._local_root, f"parts/{name}", dict(UNCOMMITTED))
+        return zarr.Group(zarr.AsyncGroup(metadata=GroupMetadata(attributes=dict(UNCOMMITTED), zarr_format=3),
+                                          store_path=StorePath(self.root.store, f"parts/{name}")))
+
     def _create(self, group: zarr.Group, spec: ArraySpec) -> tuple[str, int]:
         """The array's metadata (`zarr.json`); returns the key of its one shard and the rows of an
         inner chunk. The shard itself is encoded here (ShardAppender): zarr-python's own shard
@@ -228,11 +169,11 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
         written here too (array_document, byte for byte what zarr-python's create_array writes,
         tested): create_array's round trips through its event loop cost more than a narrow part's
         data (benchmarks/cache_write.py --parts)."""
-        chunks, shards = _chunking(spec)
+        chunks, shards = chunking(spec)
         prefix = f"{group.path}/{spec.name}/".lstrip("/")
         key = prefix + "c/" + "/".join("0" for _ in spec.shape)
         if not self.remote:
-            create_array_files(local_path(self.url) / group.path, spec)
+            create_array_files(os.path.join(self._local_root, group.path), spec)
             return key, chunks[0]
         codecs = inner_codecs(spec.codec, np.dtype(spec.dtype).itemsize)
         group.create_array(spec.name, shape=tuple(spec.shape), dtype=np.dtype(spec.dtype), chunks=chunks, shards=shards,
@@ -253,8 +194,8 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
         if self.remote:
             self._put(key, blob)
             return
-        path = local_path(self.url) / key
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = os.path.join(self._local_root, key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "xb") as f:
             f.write(blob)
 
@@ -268,8 +209,8 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
         import tempfile
 
         if not self.remote:
-            path = local_path(self.url) / key
-            path.parent.mkdir(parents=True, exist_ok=True)
+            path = os.path.join(self._local_root, key)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             return open(path, "xb")
         if self.url.startswith("s3://"):
             import fsspec
@@ -344,8 +285,8 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
         # a part is only ever created (on S3 by conditional PUTs, store.FencedS3Store): a name that
         # exists is an error, never an overwrite
         try:
-            group = self.root.create_group(f"parts/{name}", attributes={"committed": False})
-        except (zarr.errors.ContainsGroupError, zarr.errors.ContainsArrayError):
+            group = self._create_part_group(name)
+        except (zarr.errors.ContainsGroupError, zarr.errors.ContainsArrayError, FileExistsError):
             raise PartConflict(f"{self.url}: parts/{name} already exists; a committed part is never "
                                "rewritten") from None
         if before is not None:  # a derive links the arrays it keeps from its source into the new part
@@ -384,7 +325,11 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
                 for p in (path / "parts" / "zarr.json", path / "parts", path):
                     fsync_path(p)
             lease.check()  # never commit over the parts of a job that took the store over
-            group.attrs.put(attrs)  # the commit record: O(samples of this part) bytes, nothing at the root
+            # the commit record: O(samples of this part) bytes, nothing at the root
+            if self.remote:
+                group.attrs.put(attrs)
+            else:  # what the attrs.put writes (DurableLocalStore: a crash-atomic replacement)
+                durable_replace(path / "parts" / name / "zarr.json", group_document({**UNCOMMITTED, **attrs}))
             return PartEntry.of(name, attrs["samples"], attrs["tokens"])
 
         return commit
