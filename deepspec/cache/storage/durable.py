@@ -13,6 +13,7 @@ from deepspec.io import atomic_open, fsync_path
 
 
 _FSYNC_POOL = None
+FSYNC_THREADS = 8
 
 
 def fsync_pool():
@@ -21,7 +22,7 @@ def fsync_pool():
     from concurrent.futures import ThreadPoolExecutor
 
     if _FSYNC_POOL is None:
-        _FSYNC_POOL = ThreadPoolExecutor(8, thread_name_prefix="fsync")
+        _FSYNC_POOL = ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="fsync")
     return _FSYNC_POOL
 
 
@@ -29,12 +30,19 @@ def fsync_tree(path: Path) -> None:
     """fsync every file and directory under `path`, and `path` itself, all at once on the fsync
     pool: fsyncs in flight together share the filesystem's journal commits instead of paying one
     each, and nothing reads the part before its commit, which waits for all of them, so their
-    order does not matter."""
+    order does not matter. One task per pool thread, each taking every FSYNC_THREADS-th path:
+    as many in flight as one task a path, without a future and a thread hand-off for each of a
+    part's ~50 files and directories."""
     paths = []
     for dirpath, _, names in os.walk(path, topdown=False):
         paths += [os.path.join(dirpath, n) for n in names]
         paths.append(dirpath)
-    list(fsync_pool().map(fsync_path, paths))
+    list(fsync_pool().map(_fsync_all, [paths[k::FSYNC_THREADS] for k in range(min(FSYNC_THREADS, len(paths)))]))
+
+
+def _fsync_all(paths: list[str]) -> None:
+    for path in paths:
+        fsync_path(path)
 
 
 class FlushAhead:
