@@ -38,6 +38,18 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
+def remove_path(path: str | Path) -> None:
+    """Delete a file or a directory tree, if there. A symbolic link is removed itself, never
+    followed: what it points to (another store, a user's files) is not the deleter's."""
+    import shutil
+
+    p = Path(path)
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)  # links inside the tree are removed, not followed, too
+    else:
+        p.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | Path, mode: str = "w", encoding: str | None = "utf-8", temp: str | Path | None = None):
     """Write to a temp file beside `path` (`temp`, else a fresh hidden name), fsync, then rename and

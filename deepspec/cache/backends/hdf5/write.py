@@ -21,7 +21,7 @@ from deepspec.cache.spec.manifest import Manifest, PartEntry
 from deepspec.cache.storage.urls import local_path
 from deepspec.cache.storage.durable import durable_replace
 from deepspec.cache.storage.fenced import PartConflict, fenced_read, fenced_replace, refused_as_existing
-from deepspec.io import fsync_path
+from deepspec.io import fsync_path, remove_path
 
 log = logging.getLogger(__name__)
 
@@ -128,13 +128,7 @@ class HDF5StoreWriter(HDF5Store, WritableStore):
             except FileNotFoundError:
                 pass
             return
-        import shutil
-
-        p = local_path(self.url) / key
-        if p.is_dir():
-            shutil.rmtree(p)
-        else:
-            p.unlink(missing_ok=True)
+        remove_path(local_path(self.url) / key)
 
     def prune_debris(self, keep: set[str]) -> None:
         for name in self.list_dir(""):

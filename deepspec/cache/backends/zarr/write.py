@@ -21,7 +21,7 @@ from deepspec.cache.spec.manifest import Manifest, PartEntry
 from deepspec.cache.storage.urls import local_path, storage_options_for
 from deepspec.cache.storage.durable import FlushAhead, durable_replace, fsync_tree
 from deepspec.cache.storage.fenced import PartConflict, open_store, refused_as_existing
-from deepspec.io import fsync_path
+from deepspec.io import fsync_path, remove_path
 from deepspec.cache.backends.zarr.documents import (chunking, create_array_files, create_group_files,
                                                    group_document)
 from deepspec.cache.backends.zarr.layout import part_damage
@@ -132,11 +132,7 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
             sync(self.root.store.delete_dir(path))
             sync(self.root.store.delete(path))  # a plain object of that name
             return
-        p = local_path(self.url) / path
-        if p.is_dir():
-            sync(self.root.store.delete_dir(path))
-        else:
-            p.unlink(missing_ok=True)
+        remove_path(local_path(self.url) / path)
 
     def delete_part(self, name: str) -> None:
         self._delete(f"parts/{name}")
