@@ -189,6 +189,28 @@ def test_a_writer_removes_debris_that_links_out_of_the_store_without_following_i
     expect_equal(CacheReader(url, options), parts)
 
 
+def test_a_writer_refuses_a_store_whose_parts_directory_links_out_of_it(store, tmp_path):
+    """parts/ replaced by a link to a directory elsewhere (another store's parts, a user's files): a
+    writer would put its new parts there, so it refuses to open the store, naming the link, and
+    writes nothing on either side of it."""
+    import shutil
+
+    from tests.cache.test_conformance import manifest
+    from deepspec.cache.write.writer import CacheWriter
+
+    kind, url, options = store
+    if url.startswith("s3://"):
+        pytest.skip("object stores have no links")
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(os.path.join(url, "parts"), elsewhere)
+    os.symlink(elsewhere, os.path.join(url, "parts"))
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(CacheFormatError, match=f"parts is a link to {elsewhere}, outside the store"):
+        with CacheWriter(url, manifest(kind), options) as w:
+            w.submit(make_part("p000002", 3))
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
 def test_a_dvc_symlink_checkout_into_the_repos_cache_is_read(tmp_path):
     """`cache.type: symlink` makes every file of a checked-out store a link into .dvc/cache: allowed."""
     import shutil

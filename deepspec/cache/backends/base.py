@@ -228,6 +228,21 @@ class WritableStore(CacheStore):
         """Replace the root manifest (Manifest.stored_dict) in one atomic, durable step."""
 
     # ---- listing, debris, damage -------------------------------------------------------------
+    def refuse_links_out(self) -> None:
+        """A local store whose parts/ or index directory is a symlink out of it would get its new
+        parts written wherever that points (and the reader, refusing links out, could not read them):
+        refused, naming the link. Not even into the DVC cache, which holds files, never these."""
+        if self.remote:
+            return
+        import os
+
+        from deepspec.cache.storage.urls import inside_store, local_path
+
+        root = os.fspath(local_path(self.url))
+        for name in sorted(self.layout_entries):
+            if os.path.isdir(os.path.join(root, name)):
+                inside_store(root, name, roots=(os.path.realpath(root),))
+
     @abstractmethod
     def refuse_foreign(self, keep: set[str]) -> None:
         """Raise CacheFormatError unless the location is empty or holds this kind of cache."""

@@ -81,6 +81,7 @@ class CacheWriter:
                 self._switch_backend(not self.remote if prune_stale is None else prune_stale)
             self.store: WritableStore = open_for_write(url, self.manifest.storage, storage_options)
             self.store.write_threads = max(1, int(threads))
+            self.store.refuse_links_out()
             if rank == 0:
                 self.store.refuse_foreign(self.keep_at_root)
                 # a remote store is named by its content (store.store_url): one that differs is someone
