@@ -9,6 +9,7 @@ store then holds only those); ranks of one job write disjoint parts and rank 0 l
 damaged committed part is dropped and written again; corruption is named by part, array and chunk.
 """
 import hashlib
+import multiprocessing
 import os
 import time
 import uuid
@@ -163,6 +164,30 @@ def test_a_streamed_part_is_byte_identical_to_the_part_written_whole(where, dtyp
         stream(w, parts[1], [])
     assert files(url, options) == files(url + "-whole", options)
     expect_equal(CacheReader(url, options), parts)
+
+
+def _write_streamed(kind: str, url: str, parts: list[PartData]) -> None:
+    with CacheWriter(url, manifest(kind), threads=3) as w:
+        for part in parts:
+            stream(w, part, [2, 7])
+
+
+def test_a_process_forked_after_its_parent_wrote_writes_too(where):
+    """A process forked after its parent wrote parts on several threads (a DataLoader worker, a
+    multiprocessing fork) inherits the writer's thread pools but none of their threads: its own
+    writer still finishes, with the parts it was given."""
+    local_only(where)
+    kind, url, _ = where
+    parts = [make_part("p000000", 1), make_part("p000001", 2)]
+    _write_streamed(kind, url, parts[:1])
+    child = multiprocessing.get_context("fork").Process(target=_write_streamed, args=(kind, url + "-child", parts))
+    child.start()
+    child.join(120)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    assert child.exitcode == 0, "the forked writer did not finish (it waited on its parent's threads)"
+    expect_equal(CacheReader(url + "-child"), parts)
 
 
 def test_a_streamed_part_stopped_midway_is_not_committed(where):

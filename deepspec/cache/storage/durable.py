@@ -9,21 +9,16 @@ from pathlib import Path
 
 from zarr.storage import LocalStore
 
+from deepspec.cache.storage.pools import thread_pool
 from deepspec.io import atomic_open, fsync_path
 
 
-_FSYNC_POOL = None
 FSYNC_THREADS = 8
 
 
 def fsync_pool():
     """The threads every local fsync of the writer runs on (fsync_tree, flush-ahead of shards)."""
-    global _FSYNC_POOL
-    from concurrent.futures import ThreadPoolExecutor
-
-    if _FSYNC_POOL is None:
-        _FSYNC_POOL = ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="fsync")
-    return _FSYNC_POOL
+    return thread_pool("fsync", FSYNC_THREADS)
 
 
 def fsync_tree(path: Path) -> None:

@@ -7,7 +7,7 @@ import functools
 import json
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from types import MappingProxyType
 
 import numpy as np
@@ -20,6 +20,7 @@ from deepspec.cache.spec.format import (CHUNK_CRC32C, FORMAT, INDEX_COLUMNS, Cac
 from deepspec.cache.spec.manifest import Manifest, PartEntry
 from deepspec.cache.storage.urls import local_path, storage_options_for
 from deepspec.cache.storage.durable import FlushAhead, durable_replace, fsync_tree
+from deepspec.cache.storage.pools import thread_pool
 from deepspec.cache.storage.fenced import PartConflict, open_store, refused_as_existing
 from deepspec.io import fsync_path, remove_path
 from deepspec.cache.backends.zarr.documents import (chunking, create_array_files, create_group_files,
@@ -265,12 +266,12 @@ class ZarrStoreWriter(ZarrStore, WritableStore):
                 for item in streamed:
                     append(item, rows)
             return
-        with ThreadPoolExecutor(threads, thread_name_prefix="shard-append") as pool:
-            for rows in feed:
-                running = [pool.submit(append, item, rows) for item in streamed]
-                wait(running)  # all of them, before a failure closes the shards under the others
-                for done in running:
-                    done.result()
+        pool = thread_pool("shard-append", threads)
+        for rows in feed:
+            running = [pool.submit(append, item, rows) for item in streamed]
+            wait(running)  # all of them, before a failure closes the shards under the others
+            for done in running:
+                done.result()
 
     def write_part(self, name: str, arrays: list[ArraySpec], attrs: dict, rank: int, lease,
                    before=None, feed=None) -> PartEntry:
