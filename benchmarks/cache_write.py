@@ -167,7 +167,8 @@ def parts_bench(args) -> None:
     here = Path(__file__).resolve()
     threads = [int(t) for t in args.threads.split(",")]
     codes = [(f"this, {t} thr" if len(threads) > 1 else "this", here.parents[1], t) for t in threads]
-    codes += [("--code", Path(args.code).resolve(), 1)] if args.code else []
+    if args.code:
+        codes += [(f"--code, {t} thr" if len(threads) > 1 else "--code", Path(args.code).resolve(), t) for t in threads]
     rows = []
     for width in [int(w) for w in args.widths.split(",")]:
         parts = max(4, min(24, (2 << 30) // (args.part_tokens * width * 12)))  # about 2 GB a run at most
