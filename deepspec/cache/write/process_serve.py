@@ -1,0 +1,161 @@
+"""The writer process's side of process_writer.ProcessWriter: a CacheWriter driven by its messages.
+
+    python -m deepspec.cache.write.process_serve <commands fd> <events fd>
+
+Messages in, in order: ("open", CacheWriter's keyword arguments, log level); ("buffer", id, size)
+followed by the buffer's descriptor; ("part", PartData without states) opening a streamed part, then
+("batch", buffer id, keys, layout) per batch and ("end",) or ("drop",); ("whole", PartData);
+("call", method, args); ("exit",). Out: ("reply", value) or ("raised", exception) per "open" and
+"call"; ("free", buffer id) once a batch is copied out; ("committed", part name); ("failed", message)
+the first time the writer refuses a part. When the commands end without "exit" (the computing
+process died) the writer stops as CacheWriter.abort does, and the lease is released.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+import signal
+import sys
+import threading
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
+
+from deepspec.cache.write.shared_buffers import SharedBuffer
+from deepspec.cache.write.writer import CacheWriter
+
+
+def portable(e: BaseException) -> BaseException:
+    """`e`, or a RuntimeError naming it when it cannot be pickled."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+class Served:
+    def __init__(self, commands: Connection, events: Connection):
+        self.commands, self.events = commands, events
+        self.lock = threading.Lock()  # the writer's commit thread emits too
+        self.writer: CacheWriter | None = None
+        self.feed = None
+        self.buffers: dict[int, SharedBuffer] = {}
+        self.failed = False
+        self.released = False
+
+    def emit(self, *message) -> None:
+        with self.lock:
+            self.events.send(message)
+
+    def fail(self, e: BaseException) -> None:
+        if not self.failed:
+            self.failed = True
+            self.emit("failed", str(e))
+        if self.feed is not None:
+            self.feed.abort()
+            self.feed = None
+
+    def run(self) -> None:
+        while True:
+            try:
+                message = self.commands.recv()
+            except EOFError:
+                return
+            kind = message[0]
+            if kind == "exit":
+                return
+            getattr(self, "on_" + kind)(*message[1:])
+
+    def on_open(self, kwargs: dict, level: int) -> None:
+        logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+        try:
+            self.writer = CacheWriter(**kwargs)
+        except BaseException as e:
+            self.emit("raised", portable(e))
+            return
+        self.writer.on_commit = lambda name: self.emit("committed", name)
+        self.emit("reply", self.writer.manifest.to_dict())
+
+    def on_buffer(self, key: int, size: int) -> None:
+        self.buffers[key] = SharedBuffer.attach(recv_handle(self.commands), size)
+
+    def on_drop_buffer(self, key: int) -> None:
+        self.buffers.pop(key).close()
+
+    def on_part(self, part) -> None:
+        if self.failed:
+            return
+        try:
+            self.feed = self.writer.stream(part)
+        except BaseException as e:
+            self.fail(e)
+
+    def on_batch(self, key: int, keys: list, layout: list) -> None:
+        arrays = iter(self.buffers[key].unpack(layout))
+        self.emit("free", key)
+        if self.feed is None:  # the writer failed: the computing side learns it from "failed"
+            return
+        batch = {layer: (next(arrays), next(arrays) if scaled else None) for layer, scaled in keys}
+        try:
+            self.feed.put(batch)
+        except BaseException as e:
+            self.fail(e)
+
+    def on_end(self) -> None:
+        if self.feed is not None:
+            try:
+                self.feed.close()
+            except BaseException as e:
+                self.fail(e)
+            self.feed = None
+
+    def on_drop(self) -> None:
+        if self.feed is not None:
+            self.feed.abort()
+            self.feed = None
+
+    def on_whole(self, part) -> None:
+        if not self.failed:
+            try:
+                self.writer.submit(part)
+            except BaseException as e:
+                self.fail(e)
+
+    def on_call(self, method: str, args: tuple) -> None:
+        try:
+            value = getattr(self.writer, method)(*args)
+        except BaseException as e:
+            self.emit("raised", portable(e))
+            return
+        if method == "release":
+            self.released = True
+        self.emit("reply", value)
+
+    def stop(self) -> None:
+        """The commands ended without a release: stop as CacheWriter.abort does, then release."""
+        if self.writer is None or self.released:
+            return
+        if self.feed is not None:
+            self.feed.abort()
+        try:
+            self.writer.abort()
+        finally:
+            self.writer.release()
+
+
+def main(argv: list[str]) -> int:
+    # an interrupt at the terminal reaches the whole process group: the computing process decides
+    # what is committed (its abort), and this process stops when it is told or its commands end
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    served = Served(Connection(int(argv[0])), Connection(int(argv[1])))
+    try:
+        served.run()
+    finally:
+        served.stop()
+        for buffer in served.buffers.values():
+            buffer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

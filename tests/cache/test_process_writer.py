@@ -1,0 +1,188 @@
+"""The cache writer in a process of its own (deepspec.cache.write.process_writer): the files of a
+CacheWriter, its failures raised in the computing process, and either process killed without losing
+a committed part or keeping an uncommitted one."""
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deepspec.cache.backends.readers import open_cache
+from deepspec.cache.read.reader import CacheReader
+from deepspec.cache.spec.format import CacheFormatError, hidden_name
+from deepspec.cache.write.lease import LEASE_NAME, LeaseError
+from deepspec.cache.write.part_data import PartData
+from deepspec.cache.write.process_writer import ProcessWriter
+from deepspec.cache.write.writer import CacheWriter
+from tests.cache.test_conformance import H, LAYERS, expect_equal, files, make_part, manifest, where, write  # noqa: F401
+from tests.conftest import REPO
+
+
+def header(part: PartData, batches=None) -> PartData:
+    return PartData(part.name, part.sample_ids, part.lengths, part.input_ids, part.loss_mask, batches=batches)
+
+
+def cut(part: PartData, cuts: list[int]):
+    """The part's states in batches of rows cut at `cuts` (not on chunk boundaries)."""
+    edges = [0, *cuts, part.tokens]
+    for a, b in zip(edges, edges[1:]):
+        yield {k: (bits[a:b], None if scale is None else scale[a:b]) for k, (bits, scale) in part.hidden.items()}
+
+
+def wait_committed(w, name: str) -> None:
+    deadline = time.time() + 60
+    while name not in w.committed_parts():
+        assert time.time() < deadline, f"{name} was never committed"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("dtype,codec", [("bfloat16", "none"), ("fp8", "blosc-zstd")])
+def test_a_writer_process_writes_the_files_of_a_writer_thread(where, dtype, codec):
+    """Streamed parts (batches cut inside chunks, on several threads) and a part handed over whole;
+    commits reported as they happen."""
+    kind, url, options = where
+    if url.startswith("s3://") and dtype != "fp8":
+        pytest.skip("the values do not depend on the location: one combination on S3")
+    parts = [make_part("p000000", 1, dtype, samples=5), make_part("p000001", 2, dtype, samples=1),
+             make_part("p000002", 3, dtype, samples=2)]
+    write((kind, url + "-thread", options), parts, dtype=dtype, codec=codec)
+    seen = []
+    with ProcessWriter(url, manifest(kind, dtype=dtype, codec=codec), options, threads=3) as w:
+        w.on_commit = seen.append
+        w.submit(header(parts[0], cut(parts[0], [1, 2, 9, parts[0].tokens - 3])))
+        w.submit(header(parts[1], cut(parts[1], [])))
+        w.submit(parts[2])
+    assert seen == ["p000000", "p000001", "p000002"]
+    assert files(url, options) == files(url + "-thread", options)
+    expect_equal(CacheReader(url, options), parts)
+
+
+def test_a_failure_in_the_writer_process_is_raised_naming_the_array_and_the_store_resumes(where):
+    """Rows of the wrong width: the computing process gets the writer's own error, the part is not
+    committed, the one before it is, and a rerun ends byte-identical to an uninterrupted build."""
+    kind, url, options = where
+    parts = [make_part(f"p{i:06d}", i + 1, samples=4) for i in range(2)]
+    write((kind, url + "-clean", options), parts)
+    w = ProcessWriter(url, manifest(kind), options, threads=3)
+    w.submit(header(parts[0], cut(parts[0], [5])))
+    bad = list(cut(parts[1], [6]))
+    bad[0][LAYERS[-1]] = (np.zeros((6, H + 1), np.uint16), None)
+    with pytest.raises(CacheFormatError, match=rf"{hidden_name(LAYERS[-1])}: rows of shape \({H + 1},\)"):
+        w.submit(header(parts[1], iter(bad)))
+        w.submit(make_part("p000009", 9))
+        w.close()
+    w.abort()
+    w.release()
+    with CacheWriter(url, manifest(kind), options) as again:
+        assert sorted(again.committed_parts()) == ["p000000"]
+        again.submit(parts[1])
+    assert files(url, options) == files(url + "-clean", options)
+
+
+def test_a_store_another_writer_holds_is_refused_with_the_writers_own_error(tmp_path):
+    url = str(tmp_path / "store")
+    with CacheWriter(url, manifest("zarr")):
+        with pytest.raises(LeaseError, match="another job is writing this cache"):
+            ProcessWriter(url, manifest("zarr"))
+
+
+def test_a_killed_writer_process_fails_the_computation_and_its_store_resumes(tmp_path):
+    """kill -9 of the writer process in the middle of a part: the next batch handed over raises,
+    naming the process and the signal; the store keeps the parts committed before, and the next
+    writer takes the dead process's lease over and drops the unfinished part."""
+    url = str(tmp_path / "store")
+    parts = [make_part(f"p{i:06d}", i + 1, samples=4) for i in range(3)]
+    write(("zarr", str(tmp_path / "clean"), None), parts)
+    w = ProcessWriter(url, manifest("zarr"))
+    w.submit(header(parts[0], cut(parts[0], [5])))
+    wait_committed(w, "p000000")
+
+    def batches():
+        it = cut(parts[1], [3, 6, 9])
+        yield next(it)
+        os.kill(w.pid, signal.SIGKILL)
+        yield from it
+        while True:  # the computation goes on until the writer's death reaches it
+            time.sleep(0.05)
+            yield next(cut(parts[1], []))
+
+    with pytest.raises(CacheFormatError, match=rf"cache writer process \(pid {w.pid}\) exited with signal 9"):
+        w.submit(header(parts[1], batches()))
+    t = time.time()
+    w.abort()
+    w.release()
+    assert time.time() - t < 5
+    with CacheWriter(url, manifest("zarr")) as again:
+        assert sorted(again.committed_parts()) == ["p000000"]
+        for p in parts[1:]:
+            again.submit(p)
+    assert files(url, None) == files(str(tmp_path / "clean"), None)
+
+
+def test_host_copies_are_waited_for_off_the_computing_thread(tmp_path):
+    """As with a writer thread: a batch is handed over while its device-to-host copies may still be in
+    flight (devices.HostBatch), and the writer's sending thread waits for them, not the computing one."""
+    url = str(tmp_path / "store")
+    part = make_part("p000000", 1)
+    waited_on = []
+
+    class InFlight:
+        def __init__(self, batch):
+            self.batch = batch
+
+        def result(self):
+            waited_on.append(threading.get_ident())
+            return self.batch
+
+    with ProcessWriter(url, manifest("zarr")) as w:
+        w.submit(header(part, (InFlight(b) for b in cut(part, [4]))))
+    assert len(waited_on) == 2 and threading.get_ident() not in waited_on
+    expect_equal(CacheReader(url), [part])
+
+
+COMPUTING = """
+import sys, time
+from tests.cache.test_conformance import make_part, manifest
+from tests.cache.test_process_writer import cut, header, wait_committed
+from deepspec.cache.write.process_writer import ProcessWriter
+
+parts = [make_part(f"p{i:06d}", i + 1, samples=4) for i in range(2)]
+w = ProcessWriter(sys.argv[1], manifest("zarr"))
+w.submit(header(parts[0], cut(parts[0], [5])))
+wait_committed(w, "p000000")
+
+def batches():
+    it = cut(parts[1], [3])
+    yield next(it)
+    print(w.pid, flush=True)
+    time.sleep(600)  # killed here, in the middle of the part
+    yield from it
+
+w.submit(header(parts[1], batches()))
+"""
+
+
+def test_the_writer_process_of_a_killed_computation_stops_releases_the_lease_and_keeps_no_unfinished_part(tmp_path):
+    url = str(tmp_path / "store")
+    proc = subprocess.Popen([sys.executable, "-c", COMPUTING, url], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        child = int(proc.stdout.readline())
+        time.sleep(0.3)  # the first batch reaches the writer
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.time() + 30
+        while Path(f"/proc/{child}").exists() and "zombie" not in Path(f"/proc/{child}/status").read_text():
+            assert time.time() < deadline, "the writer process outlived its computation"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+    assert not (Path(url) / LEASE_NAME).exists()  # released, not left for the next writer to take over
+    assert sorted(open_cache(url).committed_parts()) == ["p000000"]  # the unfinished one is left uncommitted
+    with CacheWriter(url, manifest("zarr")) as again:
+        assert sorted(again.committed_parts()) == ["p000000"]
