@@ -39,6 +39,16 @@ def writer_threads(device: torch.device | str) -> int:
     return max(1, min(8, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))) - 1))
 
 
+def separate_writer(device: torch.device | str) -> bool:
+    """Whether a cache writer fed by forward passes on `device` runs in a process of its own
+    (deepspec.cache.write.process_writer). Beside an accelerator: the forward passes are bound by
+    the Python that launches their kernels, and a writer thread in their process takes the GIL each
+    time an op gives it up, so they wait for it back many times a part (benchmarks/writeback_gil.py).
+    On the CPU a thread: the forward passes spend their time in kernels that need no GIL, and a
+    process costs its start-up. Only where shared memory files exist (Linux)."""
+    return torch.device(device).type != "cpu" and hasattr(os, "memfd_create")
+
+
 def decoding(device: torch.device | str) -> contextlib.AbstractContextManager:
     """A context for decoding on `device`: on CUDA, SDPA tries flash, then memory-efficient, then cuDNN
     attention, then the math kernel. Each decoding step meets a key length it has not met before, and

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from deepspec.devices import HostCopies, draw, generator, local_device, writer_threads
+from deepspec.devices import HostCopies, draw, generator, local_device, separate_writer, writer_threads
 from tests.conftest import REPO
 
 # Library and stage code. The embedded default's toy trainer (deepspec/embedded) is the one exception:
@@ -95,6 +95,15 @@ def test_a_cache_writer_beside_a_gpu_writes_on_the_ranks_share_of_the_cores(monk
         monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
         assert writer_threads("cuda:1") == threads, ranks
     assert writer_threads("cpu") == 1
+
+
+def test_a_cache_writer_beside_a_gpu_writes_in_a_process_of_its_own(monkeypatch):
+    """Beside a GPU the forward passes' Python must not wait for a writer thread's GIL
+    (benchmarks/writeback_gil.py); on the CPU a thread; without memory files (not Linux) a thread."""
+    assert not separate_writer("cpu")
+    assert separate_writer(torch.device("cuda", 0)) and separate_writer("cuda:1")
+    monkeypatch.delattr(os, "memfd_create")
+    assert not separate_writer("cuda")
 
 
 def test_launch_makes_the_local_gpu_current_before_any_collective(monkeypatch):

@@ -254,6 +254,35 @@ def test_a_build_beside_a_gpu_writes_on_several_threads_and_equals_a_one_thread_
     assert len(stores[1]) > 10 and stores[3] == stores[1]
 
 
+def test_a_build_with_its_writer_in_a_process_of_its_own_equals_a_build_with_a_writer_thread(tmp_path, trained_target,
+                                                                                              monkeypatch):
+    """What the cache stage does beside a GPU (devices.separate_writer): the parts are written by a
+    CacheWriter in a child process, every file the one a writer thread writes. A derive (a layer
+    subset) keeps a writer in the building process, since its parts are copied from the source."""
+    from tests.cache.test_derive import store_files
+
+    opened = []
+
+    class Watched(build_mod.ProcessWriter):
+        def __init__(self, *a, **k):
+            opened.append(self)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(build_mod, "ProcessWriter", Watched)
+    stores, reports = {}, {}
+    for separate in (False, True):
+        work = workdir(tmp_path / str(separate), trained_target, many_rows(1))
+        url = work / "data" / "cache.zarr"
+        reports[separate] = build_cache(CacheConfig(url=str(url), part_tokens=300), LAYERS,
+                                        work / "data/regen/train.jsonl", work / "data/target", separate_writer=separate)
+        stores[separate] = store_files(str(url))
+    assert len(opened) == 1 and len(stores[True]) > 10 and stores[True] == stores[False]
+    assert reports[True]["manifest"] == reports[False]["manifest"]
+    derived = build_cache(CacheConfig(url=str(url), part_tokens=300), LAYERS[:1], work / "data/regen/train.jsonl",
+                          work / "data/target", separate_writer=True)
+    assert derived["mode"] == "derived" and len(opened) == 1
+
+
 def test_build_holds_a_bounded_number_of_samples(tmp_path, trained_target, monkeypatch):
     """Every Sample (a row's token lists) is counted while alive: the build never holds more than
     about one part's worth, however many rows the input has."""

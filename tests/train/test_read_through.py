@@ -51,9 +51,10 @@ def offline(work: Path, cache: dict = CACHE, **train) -> dict:
                         work / "state", manifest=dict(CacheReader(url).manifest))
 
 
-def read_through(work: Path, cache: dict = CACHE, **train) -> dict:
+def read_through(work: Path, cache: dict = CACHE, separate_writer: bool | None = None, **train) -> dict:
     regen, target = work / "data" / "regen" / "train.jsonl", work / "data" / "target"
-    fill = StoreFill(CacheConfig(url=str(work / "data" / "cache.zarr"), **cache), LAYERS, regen, target)
+    fill = StoreFill(CacheConfig(url=str(work / "data" / "cache.zarr"), **cache), LAYERS, regen, target,
+                     separate_writer=separate_writer)
     return run_training(TrainConfig(**{**TRAIN, "capture": "read-through", **train}), LAYERS, None, target,
                         work / "draft", work / "train", work / "state", fill=fill)
 
@@ -64,15 +65,18 @@ def plan(work: Path, cache: dict = CACHE) -> dict:
                       work / "data" / "regen" / "train.jsonl", work / "data" / "target")["manifest"]
 
 
-@pytest.mark.parametrize("storage", ["zarr", "hdf5"])
+# each backend once, with the writer on a thread and in a process of its own (as beside a GPU)
+@pytest.mark.parametrize("storage,separate_writer", [("zarr", False), ("hdf5", True)])
 def test_read_through_trains_the_offline_draft_leaves_the_scratch_store_and_never_captures_twice(tmp_path,
                                                                                                 trained_target,
-                                                                                                storage):
+                                                                                                storage,
+                                                                                                separate_writer):
     cache = dict(CACHE, format=storage)
     ref = workdir(tmp_path / "offline", trained_target)
     rt = workdir(tmp_path / "read_through", trained_target)
     base = offline(ref, cache)
-    first = read_through(rt, cache, num_workers=1)  # a loading process, started while the fill's threads run
+    # a loading process, started while the fill's threads run
+    first = read_through(rt, cache, separate_writer, num_workers=1)
     parts = len(CacheReader(str(ref / "data" / "cache.zarr")).manifest.parts)
     assert parts >= 4  # several windows of 2 parts: the order matters
     assert same_weights(ref / "draft", rt / "draft")

@@ -89,11 +89,13 @@ class StoreFill(FillHooks):
     abort() when training fails."""
 
     def __init__(self, cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir: Path,
-                 device: torch.device | None = None, index_from: Path | None = None):
+                 device: torch.device | None = None, index_from: Path | None = None,
+                 separate_writer: bool | None = None):
         """`index_from`: the input's index the cache stage kept (stage.plan_cache's keep_index), used
-        when it was made from this very input, so the plan comes without tokenising the input again."""
+        when it was made from this very input, so the plan comes without tokenising the input again.
+        `separate_writer`: build_cache's (default: a writer process beside a GPU)."""
         self.cfg, self.layers, self.regen_path, self.target_dir = cfg, list(layers), regen_path, target_dir
-        self.index_from = index_from
+        self.index_from, self.separate_writer = index_from, separate_writer
         self.device = device or torch.device("cpu")
         self.report: dict | None = None
         self.wait_s = 0.0  # how long the trainer waited for parts
@@ -115,7 +117,8 @@ class StoreFill(FillHooks):
     def _run(self) -> None:
         try:
             self.report = build_cache(self.cfg, self.layers, self.regen_path, self.target_dir, device=self.device,
-                                      hooks=self, index_from=self.index_from)
+                                      hooks=self, index_from=self.index_from,
+                                      separate_writer=self.separate_writer)
         except BaseException as e:  # handed to the trainer at its next plan/wait/finish
             self._error = e
         finally:

@@ -8,8 +8,8 @@ parts are cut by content and named by it, so a part the store already holds is k
 planned part is computed, and the store's new manifest lists exactly the planned parts. The result
 equals a from-scratch build of the same input, and a rerun after a crash, single- or multi-rank,
 writes exactly the parts an uninterrupted run would have. Forward passes run in length-sorted
-batches within a part; the writer thread encodes and writes one part while the model computes the
-next.
+batches within a part; the writer writes one part while the model computes the next, on threads
+of this process or, beside a GPU, in a process of its own (devices.separate_writer).
 """
 from __future__ import annotations
 
@@ -32,9 +32,11 @@ from deepspec.cache.build.regen_rows import (EncodeRules, RowIndex, Sample, inde
                                              save_index)
 from deepspec.cache.build.input_plan import (EmptyInput, check_not_empty, index_input, input_report,  # noqa: F401
                                              plan_store, planned_manifest)
+from deepspec.cache.write.process_writer import ProcessWriter
 from deepspec.cache.write.writer import CacheWriter
 from deepspec.config import CacheConfig
 from deepspec.devices import HostCopies, writer_threads
+from deepspec.devices import separate_writer as separate_writer_of
 from deepspec.models.capture import forward_capture
 from deepspec.models.target import check_layers, compute_fingerprint, compute_settings, load_causal_lm, load_identity
 from deepspec.progress import progress
@@ -164,7 +166,8 @@ def load_target(target_dir: Path, device: torch.device, compute: dict | None = N
 
 class FillHooks:
     """Where a read-through run (fill.py) joins a single-rank build; each default changes nothing.
-    The hooks run on the building thread, except `committed`, which runs on the writer's commit thread."""
+    The hooks run on the building thread, except `committed`, which runs on a thread of the writer's
+    (its commit thread, or a ProcessWriter's events thread)."""
 
     def inputs(self, index: RowIndex, plan: list[tuple[str, np.ndarray]], rules: EncodeRules) -> None:
         """What the plan is made of, just before `planned`: the planned samples encode again from it."""
@@ -184,10 +187,15 @@ class FillHooks:
         """Every planned part is committed; the root is switched to the plan once this returns."""
 
 
+def new_writer(separate: bool, url: str, manifest: dict, storage_options: dict | None = None, **kwargs):
+    """A CacheWriter, or with `separate` the same writer in a process of its own (ProcessWriter)."""
+    return (ProcessWriter if separate else CacheWriter)(url, manifest, storage_options, **kwargs)
+
+
 def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir: Path,
                 rank: int = 0, world: int = 1, device: torch.device | None = None,
                 prune_stale: bool | None = None, share=None, gather=None, hooks: FillHooks | None = None,
-                index_from: Path | None = None) -> dict:
+                index_from: Path | None = None, separate_writer: bool | None = None) -> dict:
     """Compute and write every missing part of the store for `cfg.url` (store.store_url: the path
     itself, or `<lake>/<store key>` on a remote URL); returns the stage report (rank 0's view,
     `report["url"]` is the store written). Multi-rank: `share(value)` returns rank 0's value on every
@@ -195,7 +203,9 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
     value, in rank order, on every rank (the index shares, the counts); both also synchronise the ranks.
     `hooks`: a read-through run's view of the build (FillHooks; on several ranks each takes every
     world-th part of the order rank 0's hook returns). `index_from`: a RowIndex plan_cache kept, used
-    (read by rank 0, shared) when it was made from this very input."""
+    (read by rank 0, shared) when it was made from this very input. `separate_writer`: write in a
+    process of its own (process_writer.ProcessWriter; default devices.separate_writer(device)), unless
+    parts may be derived from another store (their copies need its objects in this process)."""
     from deepspec.cache.build.derive import Derivation, follow, prepare
 
     t0 = time.time()
@@ -225,6 +235,7 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
     run_id = new_run_id() if rank == 0 else None
     if share is not None:
         run_id = share(run_id)
+    separate = separate_writer_of(device) if separate_writer is None else separate_writer
     writer = None
     derivation = Derivation(url, url)
     try:
@@ -234,8 +245,9 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
             t_derive = time.time()
             derivation = prepare(cfg, manifest, url)  # where the store's parts can come from
             derivation.started = t_derive
-            writer = CacheWriter(derivation.write_url, derivation.manifest(manifest), cfg.storage_options, rank=0,
-                                 prune_stale=prune_stale, run_id=run_id, threads=writer_threads(device))
+            writer = new_writer(separate and derivation.source is None, derivation.write_url,
+                                derivation.manifest(manifest), cfg.storage_options, rank=0, prune_stale=prune_stale,
+                                run_id=run_id, threads=writer_threads(device))
             if hooks is not None:
                 writer.on_commit = hooks.committed
         if world > 1:
@@ -243,8 +255,8 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
             plan = share(derivation.plan if rank == 0 else None)
             if rank > 0:
                 derivation = follow(url, plan, cfg.storage_options, manifest)
-                writer = CacheWriter(derivation.write_url, manifest, cfg.storage_options, rank=rank, run_id=run_id,
-                                     threads=writer_threads(device))
+                writer = new_writer(separate and derivation.source is None, derivation.write_url, manifest,
+                                    cfg.storage_options, rank=rank, run_id=run_id, threads=writer_threads(device))
         index = None
         if index_from is not None and rank == 0:
             index = load_index(index_from, regen_path, index_key(regen_path, EncodeRules.of(cfg), ident))
@@ -299,8 +311,8 @@ def plan_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir
     return report
 
 
-def _build(writer: CacheWriter, cfg: CacheConfig, layers: list[int], regen_path: Path, ident: dict, tokenizer,
-           get_model, pad_id: int, device: torch.device, rank: int, world: int, share, gather,
+def _build(writer: CacheWriter | ProcessWriter, cfg: CacheConfig, layers: list[int], regen_path: Path, ident: dict,
+           tokenizer, get_model, pad_id: int, device: torch.device, rank: int, world: int, share, gather,
            source=None, hooks: FillHooks = FillHooks(), index: RowIndex | None = None) -> dict:
     """Write every planned part the store lacks: taken from `source` (deepspec.cache.build.derive) when it
     holds a part of the same content, else computed with the target; then list exactly the planned
