@@ -15,9 +15,11 @@ through, in order:
 - a second experiment (half the learning rate) in each mode, on the store its first one left (the
   read-through one as stages/train.py runs it: the store is full, so it is read as offline);
 - capture alone against capture with its write-back: every planned part's forward passes with the
-  states copied to the host, without a writer and with one committing each part to a new store,
-  three interleaved pairs (the overhead is the median of the pairs' ratios); the writer writes on
-  as many threads as the cache stage's (devices.writer_threads). `--capture-only` runs this alone.
+  states copied to the host, without a writer and with each kind of writer committing each part to
+  a new store (a CacheWriter's threads in this process, a ProcessWriter), three interleaved rounds
+  (an overhead is the median of the rounds' ratios; the one reported first is the writer the cache
+  stage uses on this device, devices.separate_writer); the writer writes on as many threads as the
+  cache stage's (devices.writer_threads). `--capture-only` runs this alone.
 Prints per target: time to the first optimizer step and wall time of each run, the target forwards
 each ran, the write-back's cost over capture alone, the data-wait fraction of each second experiment
 (the store full), and whether the first drafts are equal (bit for bit on a CPU). The capture-rank
@@ -156,14 +158,16 @@ def ranks_run(work: Path, cache, cfg, layers, regen: Path, target: Path, device)
 
 
 def capture_cost(work: Path, cache_cfg, layers, regen: Path, target: Path, device, clock) -> dict:
-    """Every planned part's forward passes, states to the host, without and with the writer."""
+    """Every planned part's forward passes, states to the host, without a writer and with each kind
+    (a CacheWriter's threads in this process, a ProcessWriter); the overhead reported is that of the
+    kind the cache stage uses on this device (devices.separate_writer)."""
     import dataclasses
+    import statistics
 
     from deepspec.cache.build import stage
     from deepspec.cache.build.regen_rows import EncodeRules, part_samples
-    from deepspec.cache.write.writer import CacheWriter
+    from deepspec.devices import separate_writer, writer_threads
     from deepspec.models.target import load_identity
-    from deepspec.devices import writer_threads
 
     ident = load_identity(target)
     tokenizer, model = stage.load_target(target, device, stage.compute_of(cache_cfg, target, device))
@@ -174,32 +178,33 @@ def capture_cost(work: Path, cache_cfg, layers, regen: Path, target: Path, devic
     # warm-up: kernels chosen for these shapes
     stage.compute_part(model, parts[0][0], parts[0][1], layers, cache_cfg.batch_tokens, pad, device, cache_cfg.dtype)
     out = {}
-    for rep in range(3):  # interleaved: capture alone, then with the write-back, three times
+    for rep in range(3):  # interleaved: capture alone, then with each writer, three times
         t = clock.now()
         for name, samples in parts:
             stage.compute_part(model, name, samples, layers, cache_cfg.batch_tokens, pad, device, cache_cfg.dtype)
-        alone = clock.now() - t
-        url = work / f"writeback{rep}.zarr"
-        cfg = dataclasses.replace(cache_cfg, url=str(url))
-        t = clock.now()
-        writer = CacheWriter(str(url), stage.cache_manifest(cfg, layers, ident, stage.compute_of(cfg, target, device)),
-                             threads=writer_threads(device))
-        for name, samples in parts:
-            stage.compute_part(model, name, samples, layers, cfg.batch_tokens, pad, device, cfg.dtype, writer=writer)
-        writer.close(consolidate=False)
-        writer.release()
-        written = clock.now() - t
-        out.setdefault("alone_s", []).append(alone)
-        out.setdefault("written_s", []).append(written)
-        shutil.rmtree(url)
+        out.setdefault("alone", []).append(clock.now() - t)
+        for kind in ("thread", "process"):
+            url = work / f"writeback-{kind}{rep}.zarr"
+            cfg = dataclasses.replace(cache_cfg, url=str(url))
+            writer = stage.new_writer(kind == "process", str(url), stage.cache_manifest(
+                cfg, layers, ident, stage.compute_of(cfg, target, device)), threads=writer_threads(device))
+            t = clock.now()  # from the writer open (a process's start-up is in the stage's time too)
+            for name, samples in parts:
+                stage.compute_part(model, name, samples, layers, cfg.batch_tokens, pad, device, cfg.dtype,
+                                   writer=writer)
+            writer.close(consolidate=False)
+            out.setdefault(kind, []).append(clock.now() - t)
+            writer.release()
+            shutil.rmtree(url)
     # the median of each pair's ratio: a pair runs back to back, so a slow spell of the machine
     # (2 shared cores move either time by 20 %) lands on both of its runs
-    import statistics
-
-    alone, written = statistics.median(out["alone_s"]), statistics.median(out["written_s"])
-    ratio = statistics.median(w / a for a, w in zip(out["alone_s"], out["written_s"]))
-    return {"capture_alone_s": round(alone, 3), "capture_written_s": round(written, 3),
-            "writeback_overhead": round(ratio - 1, 3), "writer_threads": writer_threads(device), "parts": len(parts)}
+    ratio = {k: round(statistics.median(w / a for a, w in zip(out["alone"], out[k])) - 1, 3)
+             for k in ("thread", "process")}
+    chosen = "process" if separate_writer(device) else "thread"
+    return {"capture_alone_s": round(statistics.median(out["alone"]), 3),
+            "capture_written_s": round(statistics.median(out[chosen]), 3), "writeback_overhead": ratio[chosen],
+            "writer": chosen, "overhead_by_writer": ratio, "writer_threads": writer_threads(device),
+            "parts": len(parts)}
 
 
 def same_draft(a: Path, b: Path) -> bool:
@@ -304,7 +309,9 @@ def main() -> int:
                       f"{x['data_wait_fraction']:>11}")
             c = r["capture"]
             print(f"capture alone {c['capture_alone_s']} s, with write-back {c['capture_written_s']} s "
-                  f"({c['writer_threads']} writer threads): overhead {100 * c['writeback_overhead']:.1f} %")
+                  f"(the stage's {c['writer']} writer, {c['writer_threads']} threads): overhead "
+                  f"{100 * c['writeback_overhead']:.1f} %; by writer: "
+                  + ", ".join(f"{k} {100 * v:.1f} %" for k, v in c["overhead_by_writer"].items()))
             print(f"FIGURE {kind}.writeback_overhead_pct = {100 * c['writeback_overhead']:.1f}")
             if args.capture_only:
                 continue
