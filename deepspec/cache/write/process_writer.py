@@ -210,8 +210,8 @@ class ProcessWriter:
                     self._send_batch(item[1])
                 else:
                     self._commands.send(item)
-            except BaseException as e:  # the child is gone (a broken pipe): say so, keep draining
-                self._fail(CacheFormatError(f"{self.url}: the cache writer process stopped taking parts ({e})"))
+            except BaseException as e:  # the child is gone (a broken pipe): say how, keep draining
+                self._fail(self._death(e))
 
     def _send_batch(self, batch) -> None:
         if not isinstance(batch, dict):  # a devices.HostBatch: wait here for its device-to-host copies
@@ -269,13 +269,20 @@ class ProcessWriter:
                     self._fail(CacheFormatError(rest[0]))
                 else:
                     self._replies.put((kind, rest[0]))
-        except (EOFError, OSError):
-            code = self._proc.wait()
+        except (EOFError, OSError) as e:
             if not self._ended:
-                how = f"signal {-code}" if code < 0 else f"code {code}"
-                self._fail(CacheFormatError(f"{self.url}: the cache writer process (pid {self._proc.pid}) "
-                                            f"exited with {how}"))
+                self._fail(self._death(e))
                 self._replies.put(("raised", self._error))
+
+    def _death(self, seen: BaseException) -> CacheFormatError:
+        """The error of a child that stopped answering (`seen`: what its channel raised)."""
+        try:
+            code = self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            return CacheFormatError(f"{self.url}: the cache writer process (pid {self._proc.pid}) stopped taking "
+                                    f"parts ({type(seen).__name__}: {seen})")
+        how = f"signal {-code}" if code < 0 else f"code {code}"
+        return CacheFormatError(f"{self.url}: the cache writer process (pid {self._proc.pid}) exited with {how}")
 
     def _fail(self, e: BaseException) -> None:
         with self._cond:
