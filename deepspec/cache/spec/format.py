@@ -21,9 +21,12 @@ HDF5: every array is a chunked dataset with a Fletcher-32 per chunk (docs/cache-
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported where a value is encoded or decoded: a writer process needs none
+    import torch
 
 FORMAT = "deepspec-cache"
 FORMAT_VERSION = 4
@@ -137,8 +140,12 @@ def inner_codecs(codec: str, typesize: int):
 
 # ---- value encodings -------------------------------------------------------------------------
 
-def encode_hidden(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """[T, H] float tensor (any device) -> (stored bits, per-token float32 scale or None), on the host."""
+def encode_hidden(x, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """[T, H] float tensor (any device) or array -> (stored bits, per-token float32 scale or None), on the host."""
+    import torch
+
+    if not isinstance(x, torch.Tensor):
+        x = torch.as_tensor(x, device="cpu")
     bits, scale = encode_hidden_on_device(x, dtype)
     return bits.cpu().numpy(), None if scale is None else scale.cpu().numpy()
 
@@ -146,6 +153,8 @@ def encode_hidden(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.ndarray |
 def encode_hidden_on_device(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[T, H] float tensor -> (stored bits as uint16 or uint8, per-token float32 scale or None), on the
     tensor's own device: encoding where the tensor lives halves the device-to-host copy (fp8)."""
+    import torch
+
     if dtype == "bfloat16":
         return x.to(torch.bfloat16).contiguous().view(torch.uint16), None
     # fp8 is a function of the bfloat16 values (docs/cache-format.md §5): a store derived from a
@@ -164,6 +173,8 @@ def _fp8_tables() -> tuple[np.ndarray, np.ndarray]:
     """float32 value of every fp8 byte, and of every byte pair (as one uint64 of two float32s).
     A table gather is ~5x faster than torch's fp8 -> float cast on CPU, and exact."""
     if not _FP8_LUT:
+        import torch
+
         one = torch.arange(256, dtype=torch.uint8, device="cpu").view(torch.float8_e4m3fn).float().numpy()
         i = np.arange(1 << 16)
         _FP8_LUT["one"] = one
@@ -175,6 +186,8 @@ def decode_hidden(bits: np.ndarray, scale: np.ndarray | None, dtype: str,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Stored bits -> bfloat16 tensor [T, H] (8-bit values are dequantised with their scale, in
     float32, then rounded once to bfloat16). With `out`, the result is written there."""
+    import torch
+
     bits = np.ascontiguousarray(bits)
     if dtype == "bfloat16":
         t = torch.from_numpy(bits).view(torch.bfloat16)

@@ -22,7 +22,6 @@ import queue
 import threading
 
 import numpy as np
-import torch
 
 from deepspec.cache.backends.base import (ArraySpec, PartRows, WritableStore, detect, entry_of, index_rows,
                                     split_index)
@@ -315,7 +314,7 @@ class CacheWriter:
                  ArraySpec("input_ids", part.input_ids.astype(np.int32), TOKEN_CHUNK_1D),
                  ArraySpec("loss_mask", part.loss_mask.astype(np.uint8), TOKEN_CHUNK_1D)]
         for layer, values in part.hidden.items():
-            bits, scale = values if isinstance(values, tuple) else encode_hidden(torch.as_tensor(values, device="cpu"), dtype)
+            bits, scale = values if isinstance(values, tuple) else encode_hidden(values, dtype)
             specs.append(ArraySpec(hidden_name(layer), bits, chunk, codec))
             if scale is not None:
                 specs.append(ArraySpec(scale_name(layer), scale, TOKEN_CHUNK_1D))
