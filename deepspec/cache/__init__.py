@@ -15,7 +15,7 @@ import importlib
 _PUBLIC = {
     "CacheFormatError": "spec.format", "Manifest": "spec.manifest",
     "CacheReader": "read.reader", "read_samples": "read.samples",
-    "CacheWriter": "write.writer", "PartData": "write.part_data", "LeaseError": "write.lease",
+    "CacheWriter": "write.writer", "ProcessWriter": "write.process_writer", "PartData": "write.part_data", "LeaseError": "write.lease",
     "open_cache": "backends.readers", "open_for_write": "backends.writers",
     "store_url": "storage.naming", "list_stores": "storage.naming", "built_store_url": "storage.naming",
     "build_cache": "build.stage", "derive_store": "build.derive",
