@@ -68,8 +68,9 @@ def forward_batches(model, samples: list[Sample], layers: list[int], batch_token
                     device: torch.device, dtype: str = "bfloat16"):
     """Forward passes over `samples` in order; yields each batch's hidden states as a devices.HostBatch
     whose result() is {layer or "last": (bits, scale)}, the batch's rows back to back in sample order,
-    already encoded, so the writer thread only waits for the copy, checksums and writes. On a GPU the
-    copies to pinned host buffers run on a copy stream while the next batch's forward computes."""
+    already encoded, so the writer only waits for the copy (on a thread of its own), checksums and
+    writes. On a GPU the copies to pinned host buffers run on a copy stream while the next batch's
+    forward computes."""
     copies = HostCopies(device)
     for batch in length_batches(samples, batch_tokens):
         ids, mask, lengths = padded(samples, batch, pad_id, pin=device.type == "cuda")
@@ -111,7 +112,7 @@ def compute_part(model, name: str, samples: list[Sample], layers: list[int], bat
                        for k in [*layers, "last"]}
         return part
     part.batches = batches
-    writer.submit(part)  # draws the batches (the forward passes) here, the writer thread writes them
+    writer.submit(part)  # draws the batches (the forward passes) here; the writer's threads write them
     return part
 
 
