@@ -62,6 +62,25 @@ def test_a_writer_process_writes_the_files_of_a_writer_thread(where, dtype, code
     expect_equal(CacheReader(url, options), parts)
 
 
+def test_a_batch_larger_than_every_buffer_so_far_gets_a_larger_one(tmp_path):
+    """Buffers are reused batch after batch and grow with them: at most depth + 1 exist, so a larger
+    batch takes the place of a smaller free buffer; the files are still a writer thread's."""
+    rng = np.random.default_rng(5)
+    lengths = np.array([6000, 6000], np.int64)  # 12,000 rows of 3 arrays: more than the first 1 MiB buffers
+    long = PartData("p000001", np.array([7, 8], np.uint64), lengths, rng.integers(0, 4096, 12000).astype(np.int32),
+                    np.ones(12000, np.uint8), {k: (rng.integers(0, 1 << 16, (12000, H), dtype=np.uint16), None)
+                                               for k in [*LAYERS, "last"]})
+    parts = [make_part("p000000", 1, samples=5), long, make_part("p000002", 3, samples=5)]
+    man = manifest("zarr", max_length=8192)
+    with CacheWriter(str(tmp_path / "thread"), man) as w:
+        for p in parts:
+            w.submit(p)
+    with ProcessWriter(str(tmp_path / "process"), man, depth=1) as w:
+        for p in parts:
+            w.submit(header(p, cut(p, [4, 9])))
+    assert files(str(tmp_path / "process"), None) == files(str(tmp_path / "thread"), None)
+
+
 def test_a_failure_in_the_writer_process_is_raised_naming_the_array_and_the_store_resumes(where):
     """Rows of the wrong width: the computing process gets the writer's own error, the part is not
     committed, the one before it is, and a rerun ends byte-identical to an uninterrupted build."""

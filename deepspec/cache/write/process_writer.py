@@ -227,7 +227,8 @@ class ProcessWriter:
     def _buffer(self, nbytes: int) -> int:
         """A free shared buffer of at least `nbytes`: one the child handed back, or a new one while
         fewer than depth + 1 exist (a smaller free one is dropped to make room)."""
-        with self._cond:
+        small = None
+        with self._cond:  # nothing is sent while it is held: the events thread needs it to go on reading
             while True:
                 if self._error is not None:
                     raise self._error
@@ -237,11 +238,13 @@ class ProcessWriter:
                     return fits[0][1]
                 if len(self._buffers) > self._depth and self._free:
                     small = self._free.pop()
-                    self._commands.send(("drop_buffer", small))
-                    self._buffers.pop(small).close()
+                    break
                 if len(self._buffers) <= self._depth:
                     break
                 self._cond.wait(0.2)
+        if small is not None:
+            self._commands.send(("drop_buffer", small))
+            self._buffers.pop(small).close()
         buffer = SharedBuffer.create(round_size(nbytes))
         key = max(self._buffers, default=-1) + 1
         self._buffers[key] = buffer
