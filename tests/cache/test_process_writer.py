@@ -1,6 +1,7 @@
 """The cache writer in a process of its own (deepspec.cache.write.process_writer): the files of a
 CacheWriter, its failures raised in the computing process, and either process killed without losing
 a committed part or keeping an uncommitted one."""
+import inspect
 import os
 import signal
 import subprocess
@@ -39,6 +40,16 @@ def wait_committed(w, name: str) -> None:
     while name not in w.committed_parts():
         assert time.time() < deadline, f"{name} was never committed"
         time.sleep(0.02)
+
+
+def test_a_writer_process_offers_the_writers_methods_with_their_signatures():
+    """The cache stage takes either (part_data.PartWriter): each method of the interface, and the
+    writer's other public ones, are called the same way on both."""
+    shared = {n for n in dir(CacheWriter) if not n.startswith("_") and callable(getattr(CacheWriter, n))} & \
+        {n for n in dir(ProcessWriter) if not n.startswith("_")}
+    assert {"submit", "close", "abort", "release", "committed_parts", "write_manifest"} <= shared
+    for name in shared:
+        assert inspect.signature(getattr(ProcessWriter, name)) == inspect.signature(getattr(CacheWriter, name)), name
 
 
 @pytest.mark.parametrize("dtype,codec", [("bfloat16", "none"), ("fp8", "blosc-zstd")])

@@ -27,7 +27,7 @@ from deepspec.cache.spec.plan import pack_ranges
 from deepspec.cache.write.lease import new_run_id
 from deepspec.cache.storage.urls import is_remote
 from deepspec.cache.storage.naming import check_lake, store_url
-from deepspec.cache.write.part_data import PartData
+from deepspec.cache.write.part_data import PartData, PartWriter
 from deepspec.cache.build.regen_rows import (EncodeRules, RowIndex, Sample, index_key, load_index, part_samples,
                                              save_index)
 from deepspec.cache.build.input_plan import (EmptyInput, check_not_empty, index_input, input_report,  # noqa: F401
@@ -188,7 +188,8 @@ class FillHooks:
         """Every planned part is committed; the root is switched to the plan once this returns."""
 
 
-def new_writer(separate: bool, url: str, manifest: dict, storage_options: dict | None = None, **kwargs):
+def new_writer(separate: bool, url: str, manifest: dict, storage_options: dict | None = None,
+               **kwargs) -> PartWriter:
     """A CacheWriter, or with `separate` the same writer in a process of its own (ProcessWriter)."""
     return (ProcessWriter if separate else CacheWriter)(url, manifest, storage_options, **kwargs)
 
@@ -312,7 +313,7 @@ def plan_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir
     return report
 
 
-def _build(writer: CacheWriter | ProcessWriter, cfg: CacheConfig, layers: list[int], regen_path: Path, ident: dict,
+def _build(writer: PartWriter, cfg: CacheConfig, layers: list[int], regen_path: Path, ident: dict,
            tokenizer, get_model, pad_id: int, device: torch.device, rank: int, world: int, share, gather,
            source=None, hooks: FillHooks = FillHooks(), index: RowIndex | None = None) -> dict:
     """Write every planned part the store lacks: taken from `source` (deepspec.cache.build.derive) when it

@@ -1,12 +1,14 @@
 """What a cache writer is handed: one part's samples (`PartData`), with its hidden states either
 whole or streamed batch by batch through a `PartFeed` from the thread that computes them to the
 writer thread (CacheWriter.stream in writer.py). Every producer of parts (the cache stage, derive,
-convert, reference import) builds these; only the writer consumes them.
+convert, reference import) builds these; only a writer consumes them (`PartWriter`: a CacheWriter, or
+the same writer in a process of its own, process_writer.ProcessWriter).
 """
 from __future__ import annotations
 
 import queue
 from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -42,6 +44,30 @@ class PartData:
     @property
     def tokens(self) -> int:
         return int(self.lengths.sum())
+
+
+class PartWriter(Protocol):
+    """What the cache stage writes parts through (writer.CacheWriter, process_writer.ProcessWriter):
+    rank 0 holds the store's lease from construction to `release`; `submit` hands a part over (with
+    `batches`, streamed); `close` waits until every part handed over is committed, `abort` keeps only
+    those handed over whole; `on_commit(name)` is called on a thread of the writer's once a part is
+    committed; `write_manifest` switches the root to the parts `order` names."""
+    url: str
+    rank: int
+    on_commit: Callable[[str], None] | None
+
+    def submit(self, part: PartData) -> None: ...
+
+    def close(self, consolidate: bool = True, order: list[str] | None = None) -> None: ...
+
+    def abort(self) -> None: ...
+
+    def release(self) -> None: ...
+
+    def committed_parts(self) -> dict[str, dict]: ...
+
+    def write_manifest(self, order: list[str] | None = None, rescan: bool = False,
+                       prune_unlisted: bool | None = None) -> dict: ...
 
 
 class FeedAborted(Exception):
