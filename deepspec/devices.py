@@ -86,12 +86,15 @@ class HostBatch:
     CPU) and returns the batch with every tensor as a numpy array (a view of its pinned buffer, which
     it keeps alive)."""
 
-    def __init__(self, tensors: dict, event=None):
-        self._tensors, self._event = tensors, event
+    def __init__(self, tensors: dict, event=None, device: torch.device | None = None):
+        self._tensors, self._event, self._device = tensors, event, device
 
     def result(self) -> dict:
         if self._event is not None:
-            self._event.synchronize()
+            # the waiting thread is the writer's, whose current device is cuda:0 however the rank's
+            # was set (a thread's own): waiting there would open a context on another rank's GPU
+            with torch.cuda.device(self._device):
+                self._event.synchronize()
             self._event = None
         return {k: _map(lambda t: t.numpy(), v) for k, v in self._tensors.items()}
 
@@ -129,7 +132,7 @@ class HostCopies:
             out = {k: _map(self._to_pinned, v) for k, v in tensors.items()}
             event = torch.cuda.Event()
             event.record(self.stream)
-        return HostBatch(out, event)
+        return HostBatch(out, event, self.device)
 
     def _to_pinned(self, t: torch.Tensor) -> torch.Tensor:
         buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)

@@ -265,6 +265,36 @@ def test_host_copies_are_waited_for_on_the_writer_thread_not_the_computing_one()
     assert np.array_equal(got[0]["hidden/0"], x.to(torch.bfloat16).view(torch.uint16).numpy())
 
 
+def test_a_batchs_copies_are_waited_for_on_its_own_gpu_whichever_thread_waits(monkeypatch):
+    """A thread's current CUDA device is its own (cuda:0 in a new one): the writer's thread waits for
+    a batch's copies inside the guard of the batch's device, so a rank on cuda:3 opens no context on
+    cuda:0."""
+    from deepspec.devices import HostBatch
+
+    current, waited = [], []
+
+    class Guard:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            current.append(self.device)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+    class Event:
+        def synchronize(self):
+            waited.append(current[-1] if current else "no device set")
+
+    monkeypatch.setattr(torch.cuda, "device", Guard)
+    batch = HostBatch({0: (torch.zeros(2, device="cpu"), None)}, Event(), torch.device("cuda", 3))
+    t = threading.Thread(target=batch.result)
+    t.start()
+    t.join(10)
+    assert waited == [torch.device("cuda", 3)] and current == []
+
+
 def test_s3_options_leave_the_processes_aws_settings_alone(monkeypatch):
     """Setting AWS_EC2_METADATA_DISABLED for the whole process switched off the instance-profile
     credentials a GPU node on EC2 uses."""

@@ -114,6 +114,72 @@ def test_a_failure_in_the_writer_process_is_raised_naming_the_array_and_the_stor
     assert files(url, options) == files(url + "-clean", options)
 
 
+class FailedCopies:
+    """A batch whose device-to-host copies fail when waited for (a CUDA fault surfaces there)."""
+
+    def result(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+@pytest.mark.parametrize("at", ["middle", "last"])
+def test_a_batch_whose_copies_fail_fails_the_writer_at_once_and_drops_its_part(tmp_path, at):
+    """As a CacheWriter: the failure is raised at the next hand-over or at close, naming its cause;
+    the part is not committed, nothing is consolidated, and abort and release return at once."""
+    url = str(tmp_path / "store")
+    parts = [make_part(f"p{i:06d}", i + 1, samples=4) for i in range(2)]
+    w = ProcessWriter(url, manifest("zarr"))
+    w.submit(header(parts[0], cut(parts[0], [5])))
+    wait_committed(w, "p000000")
+
+    def batches():
+        it = cut(parts[1], [4, 8])
+        yield next(it)
+        if at == "middle":
+            yield FailedCopies()
+            time.sleep(0.5)  # the sending thread meets it while the part goes on
+            yield from it
+        else:
+            yield from it
+            yield FailedCopies()
+
+    t = time.time()
+    with pytest.raises(CacheFormatError, match="writing a part failed: CUDA error: an illegal memory access"):
+        w.submit(header(parts[1], batches()))
+        w.close()
+    w.abort()
+    w.release()
+    assert time.time() - t < 5
+    assert sorted(open_cache(url).committed_parts()) == ["p000000"]
+    assert CacheReader(url).manifest.parts == []  # never consolidated
+
+
+def test_on_commit_may_ask_the_writer_and_a_failing_one_fails_the_close(tmp_path):
+    """on_commit runs on a thread of the writer's, as on a CacheWriter's commit thread: it may call
+    the writer, close returns once it has run for every part, and one that raises fails the close
+    (no consolidation)."""
+    parts = [make_part(f"p{i:06d}", i + 1) for i in range(2)]
+    seen = []
+    with ProcessWriter(str(tmp_path / "asks"), manifest("zarr")) as w:
+        w.on_commit = lambda name: seen.append((name, sorted(w.committed_parts())))
+        for p in parts:
+            w.submit(header(p, cut(p, [4])))
+        w.close()
+        assert [name for name, _ in seen] == ["p000000", "p000001"] and all(name in have for name, have in seen)
+
+    def refuse(name):
+        raise RuntimeError(f"the trainer refused {name}")
+
+    url = str(tmp_path / "refuses")
+    w = ProcessWriter(url, manifest("zarr"))
+    w.on_commit = refuse
+    w.submit(header(parts[0], cut(parts[0], [4])))
+    with pytest.raises(CacheFormatError, match="writing a part failed: the trainer refused p000000"):
+        w.close()
+    w.abort()
+    w.release()
+    assert CacheReader(url).manifest.parts == []
+
+
 def test_a_store_another_writer_holds_is_refused_with_the_writers_own_error(tmp_path):
     url = str(tmp_path / "store")
     with CacheWriter(url, manifest("zarr")):
@@ -176,7 +242,7 @@ def test_host_copies_are_waited_for_off_the_computing_thread(tmp_path):
 
 
 COMPUTING = """
-import sys, time
+import os, sys, time
 from tests.cache.test_conformance import make_part, manifest
 from tests.cache.test_process_writer import cut, header, wait_committed
 from deepspec.cache.write.process_writer import ProcessWriter
@@ -185,11 +251,15 @@ parts = [make_part(f"p{i:06d}", i + 1, samples=4) for i in range(2)]
 w = ProcessWriter(sys.argv[1], manifest("zarr"))
 w.submit(header(parts[0], cut(parts[0], [5])))
 wait_committed(w, "p000000")
+worker = os.fork()  # a process forked while the writer runs (a DataLoader worker) outlives the kill
+if worker == 0:
+    time.sleep(60)
+    os._exit(0)
 
 def batches():
     it = cut(parts[1], [3])
     yield next(it)
-    print(w.pid, flush=True)
+    print(w.pid, worker, flush=True)
     time.sleep(600)  # killed here, in the middle of the part
     yield from it
 
@@ -202,7 +272,7 @@ def test_the_writer_process_of_a_killed_computation_stops_releases_the_lease_and
     proc = subprocess.Popen([sys.executable, "-c", COMPUTING, url], cwd=REPO, stdout=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONPATH=str(REPO)))
     try:
-        child = int(proc.stdout.readline())
+        child, worker = map(int, proc.stdout.readline().split())
         time.sleep(0.3)  # the first batch reaches the writer
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -210,8 +280,10 @@ def test_the_writer_process_of_a_killed_computation_stops_releases_the_lease_and
         while Path(f"/proc/{child}").exists() and "zombie" not in Path(f"/proc/{child}/status").read_text():
             assert time.time() < deadline, "the writer process outlived its computation"
             time.sleep(0.05)
+        assert Path(f"/proc/{worker}").exists()  # the writer did not wait for the forked process
     finally:
         proc.kill()
+        os.kill(worker, signal.SIGKILL)
     assert not (Path(url) / LEASE_NAME).exists()  # released, not left for the next writer to take over
     assert sorted(open_cache(url).committed_parts()) == ["p000000"]  # the unfinished one is left uncommitted
     with CacheWriter(url, manifest("zarr")) as again:

@@ -2,13 +2,14 @@
 
     python -m deepspec.cache.write.process_serve <commands fd> <events fd>
 
-Messages in, in order: ("open", CacheWriter's keyword arguments, log level); ("buffer", id, size)
-followed by the buffer's descriptor; ("part", PartData without states) opening a streamed part, then
+Messages in, in order: ("call", seq, method, args) runs "open" (CacheWriter's keyword arguments and
+the log level) or one of the writer's methods; ("buffer", id, size) followed by the buffer's
+descriptor, ("drop_buffer", id); ("part", PartData without states) opening a streamed part, then
 ("batch", buffer id, keys, layout) per batch and ("end",) or ("drop",); ("whole", PartData);
-("call", method, args); ("exit",). Out: ("reply", value) or ("raised", exception) per "open" and
-"call"; ("free", buffer id) once a batch is copied out; ("committed", part name); ("failed", message)
-the first time the writer refuses a part. When the commands end without "exit" (the computing
-process died) the writer stops as CacheWriter.abort does, and the lease is released.
+("exit",). Out: ("reply", seq, value) or ("raised", seq, exception) per call; ("free", buffer id)
+once a batch is copied out; ("committed", part name); ("failed", message) the first time the writer
+refuses a part. When the commands end without "exit" (the computing process died) the writer stops
+as CacheWriter.abort does, and the lease is released.
 """
 from __future__ import annotations
 
@@ -41,40 +42,52 @@ class Served:
         self.feed = None
         self.buffers: dict[int, SharedBuffer] = {}
         self.failed = False
+        self.finished = False  # closed or aborted: a CacheWriter is stopped once
         self.released = False
 
     def emit(self, *message) -> None:
         with self.lock:
-            self.events.send(message)
+            try:
+                self.events.send(message)
+            except OSError:  # the computing process is gone: the commands end next
+                pass
 
     def fail(self, e: BaseException) -> None:
         if not self.failed:
             self.failed = True
             self.emit("failed", str(e))
-        if self.feed is not None:
-            self.feed.abort()
-            self.feed = None
+        self.on_drop()
 
     def run(self) -> None:
         while True:
             try:
                 message = self.commands.recv()
-            except EOFError:
+            except (EOFError, OSError):
                 return
-            kind = message[0]
-            if kind == "exit":
+            if message[0] == "exit":
                 return
-            getattr(self, "on_" + kind)(*message[1:])
+            getattr(self, "on_" + message[0])(*message[1:])
 
-    def on_open(self, kwargs: dict, level: int) -> None:
+    def open(self, kwargs: dict, level: int) -> dict:
         logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-        try:
-            self.writer = CacheWriter(**kwargs)
-        except BaseException as e:
-            self.emit("raised", portable(e))
-            return
+        self.writer = CacheWriter(**kwargs)
         self.writer.on_commit = lambda name: self.emit("committed", name)
-        self.emit("reply", self.writer.manifest.to_dict())
+        return self.writer.manifest.to_dict()
+
+    def on_call(self, seq: int, method: str, args: tuple) -> None:
+        try:
+            if method == "open":
+                value = self.open(*args)
+            elif method == "abort" and self.finished:
+                value = None
+            else:
+                value = getattr(self.writer, method)(*args)
+        except BaseException as e:
+            self.emit("raised", seq, portable(e))
+            return
+        self.finished = self.finished or method in ("abort", "close")
+        self.released = self.released or method == "release"
+        self.emit("reply", seq, value)
 
     def on_buffer(self, key: int, size: int) -> None:
         self.buffers[key] = SharedBuffer.attach(recv_handle(self.commands), size)
@@ -103,11 +116,11 @@ class Served:
 
     def on_end(self) -> None:
         if self.feed is not None:
+            feed, self.feed = self.feed, None
             try:
-                self.feed.close()
+                feed.close()
             except BaseException as e:
                 self.fail(e)
-            self.feed = None
 
     def on_drop(self) -> None:
         if self.feed is not None:
@@ -121,24 +134,14 @@ class Served:
             except BaseException as e:
                 self.fail(e)
 
-    def on_call(self, method: str, args: tuple) -> None:
-        try:
-            value = getattr(self.writer, method)(*args)
-        except BaseException as e:
-            self.emit("raised", portable(e))
-            return
-        if method == "release":
-            self.released = True
-        self.emit("reply", value)
-
     def stop(self) -> None:
         """The commands ended without a release: stop as CacheWriter.abort does, then release."""
         if self.writer is None or self.released:
             return
-        if self.feed is not None:
-            self.feed.abort()
+        self.on_drop()
         try:
-            self.writer.abort()
+            if not self.finished:
+                self.writer.abort()
         finally:
             self.writer.release()
 

@@ -5,13 +5,15 @@ kernels, and every op they launch gives up the GIL for a moment. A writer's thre
 process take it then, many times a part, and the capture loop waits for it back each time: the cost
 is the hand-overs, not the writer's own GIL time, so making the writer leaner does not remove it
 (benchmarks/writeback_gil.py measures the loop with the writer in-process, in a process of its own,
-and with this class). Here the computing process keeps two threads that take the GIL a few times
-per batch: one copies each batch's states into a shared buffer (shared_buffers.py) once its
-device-to-host copy has landed and sends the buffer's place; one takes the child's answers. The
-child (process_serve.py) runs an ordinary CacheWriter, so the store, its lease, its commits and
-its failures are those of CacheWriter; the lease is the child's (a killed child leaves it to be
-taken over as a killed writer's is), and a child whose computing process dies stops as
-CacheWriter.abort does.
+and with this class). Here the computing process keeps threads that take the GIL a few times per
+batch: one copies each batch's states into a shared buffer (shared_buffers.py) once its
+device-to-host copy has landed and sends the buffer's place; one takes the child's answers; one
+calls `on_commit`. The child (process_serve.py) runs an ordinary CacheWriter, so the store, its
+lease, its commits and its failures are those of CacheWriter; the lease is the child's (a killed
+child leaves it to be taken over as a killed writer's is), and a child whose computing process dies
+stops as CacheWriter.abort does. A failure on this side (a batch whose copies fail, an `on_commit`
+that raises) fails the writer as it fails a CacheWriter: the part open in the child is dropped, no
+later part is written, and `close` raises it without consolidating.
 
 A part copied from another store (PartData.copy, a derive) is refused: it needs the source store's
 objects in this process; the cache stage writes a derive with a CacheWriter.
@@ -22,42 +24,37 @@ import dataclasses
 import logging
 import os
 import queue
-import socket
 import subprocess
-import sys
 import threading
-from multiprocessing.connection import Connection
-from multiprocessing.reduction import send_handle
-from pathlib import Path
+import weakref
+from multiprocessing.reduction import ForkingPickler, send_handle
 
 from deepspec.cache.spec.format import CacheFormatError
 from deepspec.cache.spec.manifest import Manifest
 from deepspec.cache.write.lease import DEFAULT_TTL_S
 from deepspec.cache.write.part_data import PartData
+from deepspec.cache.write.process_child import how_it_ended, start_child
 from deepspec.cache.write.shared_buffers import SharedBuffer, packed_size, round_size
 
 log = logging.getLogger(__name__)
 
 _DONE = object()
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # this process's open writers, forgotten by a forked child
 
 
-def child_env() -> dict:
-    """This environment, with the directory this package was imported from first on PYTHONPATH when
-    it is a checkout (not an installation's site-packages, which must stay after the standard library)."""
-    import site
+class _Lost(Exception):
+    """The channel to the writer process broke."""
 
-    env = dict(os.environ)
-    root = Path(__file__).resolve().parents[3]
-    installed = {Path(p).resolve() for p in [*site.getsitepackages(), site.getusersitepackages()]}
-    if root not in installed:
-        env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
-    return env
+
+def _failed(url: str, e: BaseException) -> CacheFormatError:
+    error = CacheFormatError(f"{url}: writing a part failed: {e}")
+    error.__cause__ = e
+    return error
 
 
 class ProcessWriter:
-    """CacheWriter's arguments and methods (submit, close, abort, release, committed_parts,
-    committed_sample_ids, write_manifest, on_commit, url, manifest, rank). `depth`: batches handed
-    over and not yet copied out by the child (each holds a shared buffer of its size)."""
+    """CacheWriter's arguments and methods (part_data.PartWriter, plus committed_sample_ids). `depth`:
+    batches handed over and not yet copied out by the child (each holds a shared buffer of its size)."""
 
     def __init__(self, url: str, manifest: dict, storage_options: dict | None = None,
                  queue_size: int = 2, rank: int = 0, prune_stale: bool | None = None, run_id: str | None = None,
@@ -69,26 +66,23 @@ class ProcessWriter:
         self._buffers: dict[int, SharedBuffer] = {}
         self._free: set[int] = set()
         self._depth = max(1, depth)
-        self._replies: queue.Queue = queue.Queue()
+        self._calls = threading.Lock()
+        self._waiting: dict[int, queue.Queue] = {}  # a call's number -> where its answer goes
         self._outbox: queue.Queue = queue.Queue(maxsize=self._depth)
+        self._commits: queue.Queue = queue.Queue()
+        self._seq = 0
         self._ended = False
-        ours, theirs = socket.socketpair(), socket.socketpair()
-        try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "deepspec.cache.write.process_serve", str(ours[1].fileno()),
-                 str(theirs[1].fileno())], pass_fds=(ours[1].fileno(), theirs[1].fileno()), env=child_env())
-        finally:
-            ours[1].close()
-            theirs[1].close()
-        self._commands, self._events = Connection(ours[0].detach()), Connection(theirs[0].detach())
-        self._listener = threading.Thread(target=self._listen, name="cache-writer-events", daemon=True)
-        self._listener.start()
-        self._sender = threading.Thread(target=self._send_loop, name="cache-writer-send", daemon=True)
-        self._sender.start()
+        self._proc, self._commands, self._events = start_child()
+        _LIVE.add(self)
+        self._threads = [threading.Thread(target=target, name=name, daemon=True) for target, name in (
+            (self._listen, "cache-writer-events"), (self._send_loop, "cache-writer-send"),
+            (self._commit_loop, "cache-writer-commits"))]
+        for t in self._threads:
+            t.start()
         kwargs = dict(url=url, manifest=dict(manifest), storage_options=storage_options, queue_size=queue_size,
                       rank=rank, prune_stale=prune_stale, run_id=run_id, lease_ttl=lease_ttl, threads=threads)
         try:
-            opened = self._call_message(("open", kwargs, logging.getLogger().getEffectiveLevel()))
+            opened = self._call("open", kwargs, logging.getLogger().getEffectiveLevel())
         except BaseException:
             self._shut()
             raise
@@ -110,18 +104,30 @@ class ProcessWriter:
         if part.batches is None:
             self._put(("whole", part))
             return
+        if part.hidden:
+            raise ValueError("a streamed part takes its hidden states from its batches, not from `hidden`")
         batches, part.batches = part.batches, None
         self._put(("part", dataclasses.replace(part, batches=None)))
         try:
             for batch in batches:
                 self._put(("batch", batch))
+            self._put(("end",))
         except BaseException:
-            self._put(("drop",), give_up=True)
+            self._enqueue(("drop",))  # the child drops the part (sent whatever has failed)
             raise
-        self._put(("end",))
 
     def close(self, consolidate: bool = True, order: list[str] | None = None) -> None:
-        self._call("close", consolidate, order)
+        """As CacheWriter.close: every part handed over is committed and its on_commit has run; raises
+        the writer's first failure, else rank 0 consolidates."""
+        try:
+            self._call("close", False, None)
+        except CacheFormatError:
+            self._raise_if_failed()  # the first failure, not the child's echo of it (a part dropped)
+            raise
+        self._commits.join()
+        self._raise_if_failed()
+        if consolidate and self.rank == 0:
+            self.write_manifest(order)
 
     def abort(self) -> None:
         """As CacheWriter.abort; returns at once when the child is gone."""
@@ -137,7 +143,8 @@ class ProcessWriter:
         try:
             self._call("release")
         except CacheFormatError:
-            pass
+            if self._proc.poll() is None:  # the child's own release failed (the lease was lost)
+                raise
         finally:
             self._shut()
 
@@ -149,7 +156,7 @@ class ProcessWriter:
 
     def write_manifest(self, order: list[str] | None = None, rescan: bool = False,
                        prune_unlisted: bool | None = None) -> dict:
-        return self._call("write_manifest", order, rescan, prune_unlisted)
+        return self._call("write_manifest", None if order is None else list(order), rescan, prune_unlisted)
 
     def __enter__(self) -> "ProcessWriter":
         return self
@@ -163,55 +170,107 @@ class ProcessWriter:
         finally:
             self.release()
 
-    # ---- the computing process's two threads --------------------------------------------------------
+    # ---- the computing side: the caller's thread ---------------------------------------------------
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise self._error
 
-    def _put(self, item, give_up: bool = False) -> None:
-        """Queue `item` for the child. A failed writer takes no more parts: its error is raised here
-        (or, with `give_up`, the item dropped); calls still go to a live child (close raises the
-        failure there, abort and release do their work), and to a dead one raise its death."""
+    def _put(self, item) -> None:
+        """Queue a part's message for the child; a failed writer takes no more: its error is raised."""
         while True:
-            if self._error is not None and (item[0] not in ("call", "exit") or self._proc.poll() is not None):
-                if give_up:
-                    return
-                raise self._error
+            if self._ended:
+                raise CacheFormatError(f"{self.url}: this writer was released")
+            self._raise_if_failed()
             try:
                 self._outbox.put(item, timeout=0.2)
                 return
             except queue.Full:
                 continue
 
-    def _call_message(self, message):
-        if self._ended:
-            raise CacheFormatError(f"{self.url}: this writer was released")
-        self._put(message)
-        while True:
+    def _enqueue(self, item) -> None:
+        """Queue `item` whatever has failed, while the sending thread runs."""
+        while not self._ended and self._threads[1].is_alive():
             try:
-                kind, value = self._replies.get(timeout=0.2)
-            except queue.Empty:
-                if self._proc.poll() is not None and self._error is not None:
-                    raise self._error
+                self._outbox.put(item, timeout=0.2)
+                return
+            except queue.Full:
                 continue
-            if kind == "raised":
-                raise value
-            return value
 
     def _call(self, method: str, *args):
-        return self._call_message(("call", method, args))
+        """Run `method` on the child's writer, in order after everything queued from this thread; its
+        reply or its error. Any thread may call (an on_commit hook does)."""
+        if self._ended:
+            raise CacheFormatError(f"{self.url}: this writer was released")
+        slot: queue.Queue = queue.Queue(maxsize=1)
+        with self._calls:
+            self._seq += 1
+            seq = self._seq
+            self._waiting[seq] = slot
+        try:
+            self._enqueue(("call", seq, method, args))
+            while True:
+                try:
+                    kind, value = slot.get(timeout=0.2)
+                except queue.Empty:
+                    if self._proc.poll() is None or not slot.empty():
+                        continue
+                    raise self._error or self._death(EOFError("the writer process exited"))
+                if kind == "raised":
+                    raise value
+                return value
+        finally:
+            with self._calls:
+                self._waiting.pop(seq, None)  # an interrupted call's answer is dropped when it comes
+
+    def _answer(self, seq: int, kind: str, value) -> None:
+        with self._calls:
+            slot = self._waiting.get(seq)
+        if slot is not None and slot.empty():  # the first answer counts (a reply before a death)
+            slot.put_nowait((kind, value))
+
+    # ---- the computing side: its three threads -----------------------------------------------------
+    def _send(self, message) -> None:
+        payload = ForkingPickler.dumps(message)  # a value that cannot be pickled fails here, not the channel
+        try:
+            self._commands.send_bytes(payload)
+        except (OSError, ValueError) as e:
+            raise _Lost(e) from e
 
     def _send_loop(self) -> None:
         while (item := self._outbox.get()) is not _DONE:
-            if self._error is not None and item[0] not in ("call", "exit"):
-                continue  # a failed writer takes no more parts
             try:
-                if item[0] == "batch":
-                    self._send_batch(item[1])
-                else:
-                    self._commands.send(item)
-            except BaseException as e:  # the child is gone (a broken pipe): say how, keep draining
-                self._fail(self._death(e))
+                self._forward(item)
+            except _Lost as e:
+                self._fail(self._death(e.__cause__))
+                if item[0] == "call":
+                    self._answer(item[1], "raised", self._error)
+            except BaseException as e:  # on this side: a batch's copies, a value that cannot be pickled
+                if item[0] == "call":
+                    self._answer(item[1], "raised", e)  # that call fails, the writer goes on
+                elif e is not self._error:
+                    self._fail(_failed(self.url, e))
+                    if item[0] == "batch":
+                        self._enqueue_now(("drop",))
+            item = None  # a batch's pinned buffers are not kept while idle
+
+    def _enqueue_now(self, item) -> None:
+        """From the sending thread: send `item` at once (it cannot wait for its own queue)."""
+        try:
+            self._send(item)
+        except _Lost as e:
+            self._fail(self._death(e.__cause__))
+
+    def _forward(self, item) -> None:
+        kind = item[0]
+        if self._error is not None:  # a failed writer writes nothing more: an open part is dropped
+            if kind in ("part", "batch", "whole"):
+                return
+            if kind == "end":
+                item = ("drop",)
+        if kind == "batch" and self._error is None:
+            self._send_batch(item[1])
+        else:
+            self._send(item)
 
     def _send_batch(self, batch) -> None:
         if not isinstance(batch, dict):  # a devices.HostBatch: wait here for its device-to-host copies
@@ -221,8 +280,13 @@ class ProcessWriter:
             keys.append((layer, scale is not None))
             arrays += [bits] if scale is None else [bits, scale]
         key = self._buffer(packed_size(arrays))
-        layout = self._buffers[key].pack(arrays)
-        self._commands.send(("batch", key, keys, layout))
+        try:
+            layout = self._buffers[key].pack(arrays)
+        except BaseException:
+            with self._cond:
+                self._free.add(key)
+            raise
+        self._send(("batch", key, keys, layout))
 
     def _buffer(self, nbytes: int) -> int:
         """A free shared buffer of at least `nbytes`: one the child handed back, or a new one while
@@ -243,13 +307,16 @@ class ProcessWriter:
                     break
                 self._cond.wait(0.2)
         if small is not None:
-            self._commands.send(("drop_buffer", small))
+            self._send(("drop_buffer", small))
             self._buffers.pop(small).close()
         buffer = SharedBuffer.create(round_size(nbytes))
         key = max(self._buffers, default=-1) + 1
         self._buffers[key] = buffer
-        self._commands.send(("buffer", key, buffer.size))
-        send_handle(self._commands, buffer.fd, self._proc.pid)
+        self._send(("buffer", key, buffer.size))
+        try:
+            send_handle(self._commands, buffer.fd, self._proc.pid)
+        except OSError as e:
+            raise _Lost(e) from e
         return key
 
     def _listen(self) -> None:
@@ -261,31 +328,34 @@ class ProcessWriter:
                         self._free.add(rest[0])
                         self._cond.notify_all()
                 elif kind == "committed":
-                    try:
-                        if self.on_commit is not None:
-                            self.on_commit(rest[0])
-                    except BaseException as e:  # as on a CacheWriter's commit thread: the writer has failed
-                        failed = CacheFormatError(f"{self.url}: writing a part failed: {e}")
-                        failed.__cause__ = e
-                        self._fail(failed)
+                    self._commits.put(rest[0])
                 elif kind == "failed":
                     self._fail(CacheFormatError(rest[0]))
                 else:
-                    self._replies.put((kind, rest[0]))
+                    self._answer(rest[0], kind, rest[1])
         except (EOFError, OSError) as e:
             if not self._ended:
                 self._fail(self._death(e))
-                self._replies.put(("raised", self._error))
+                with self._calls:
+                    waiting = list(self._waiting.items())
+                for seq, _ in waiting:
+                    self._answer(seq, "raised", self._error)
 
-    def _death(self, seen: BaseException) -> CacheFormatError:
+    def _commit_loop(self) -> None:
+        """on_commit on a thread of its own, as a CacheWriter calls it on its commit thread: the
+        hook may call the writer (its reply comes through the events thread)."""
+        while (name := self._commits.get()) is not None:
+            try:
+                if self.on_commit is not None:
+                    self.on_commit(name)
+            except BaseException as e:  # as on a CacheWriter's commit thread: the writer has failed
+                self._fail(_failed(self.url, e))
+            finally:
+                self._commits.task_done()
+
+    def _death(self, seen: BaseException | None) -> CacheFormatError:
         """The error of a child that stopped answering (`seen`: what its channel raised)."""
-        try:
-            code = self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            return CacheFormatError(f"{self.url}: the cache writer process (pid {self._proc.pid}) stopped taking "
-                                    f"parts ({type(seen).__name__}: {seen})")
-        how = f"signal {-code}" if code < 0 else f"code {code}"
-        return CacheFormatError(f"{self.url}: the cache writer process (pid {self._proc.pid}) exited with {how}")
+        return how_it_ended(self._proc, self.url, seen)
 
     def _fail(self, e: BaseException) -> None:
         with self._cond:
@@ -294,10 +364,12 @@ class ProcessWriter:
 
     def _shut(self) -> None:
         """Tell the child to exit, wait for it (kill it after a while), close both channels."""
+        self._enqueue(("exit",))
         self._ended = True
-        self._put(("exit",), give_up=True)
         self._outbox.put(_DONE)
-        self._sender.join(timeout=30)
+        self._commits.put(None)
+        for t in self._threads[1:]:
+            t.join(timeout=30)
         try:
             self._proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -305,9 +377,31 @@ class ProcessWriter:
             self._proc.kill()
             self._proc.wait()
         self._commands.close()
-        self._listener.join(timeout=5)
+        self._threads[0].join(timeout=5)
         self._events.close()
         with self._cond:
             for buffer in self._buffers.values():
                 buffer.close()
             self._buffers.clear()
+        _LIVE.discard(self)
+
+    def _forget(self) -> None:
+        """In a process forked from this one: let go of the child's channels and buffers, so that the
+        child still sees its computing process end; this copy writes nothing."""
+        self._ended = True
+        self._error = CacheFormatError(f"{self.url}: a ProcessWriter belongs to the process that opened it")
+        for channel in (self._commands, self._events):
+            channel.close()
+        for buffer in self._buffers.values():
+            buffer.close()
+        self._buffers.clear()
+
+
+def _forget_all() -> None:
+    for writer in list(_LIVE):
+        writer._forget()
+    _LIVE.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_all)

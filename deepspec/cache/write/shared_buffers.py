@@ -1,5 +1,5 @@
 """Memory two processes share, for handing a batch's arrays from the process that computes them to a
-writer process (writer_process.py) without sending their bytes through a pipe.
+writer process (process_writer.py) without sending their bytes through a pipe.
 
 A buffer is an anonymous memory file (memfd): its size is not bounded by the /dev/shm mount, which
 containers often keep at 64 MiB. The computing side packs a batch's arrays into one buffer; the writer
@@ -14,11 +14,6 @@ import os
 import numpy as np
 
 ALIGN = 64  # each array starts on a cache line
-
-
-def available() -> bool:
-    """Memory files exist here (Linux)."""
-    return hasattr(os, "memfd_create")
 
 
 def round_size(nbytes: int) -> int:
