@@ -69,6 +69,20 @@ class PartWriter(Protocol):
     def write_manifest(self, order: list[str] | None = None, rescan: bool = False,
                        prune_unlisted: bool | None = None) -> dict: ...
 
+    # a writer as a context manager (both writers subclass this protocol for it): closed when the
+    # block ends, aborted when it raises, released either way
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if exc[0] is None:
+                self.close()
+            else:
+                self.abort()
+        finally:
+            self.release()
+
 
 class FeedAborted(Exception):
     """The computing side gave up on a streamed part; the part is not committed."""

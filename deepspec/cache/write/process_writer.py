@@ -32,7 +32,7 @@ from multiprocessing.reduction import ForkingPickler, send_handle
 from deepspec.cache.spec.format import CacheFormatError
 from deepspec.cache.spec.manifest import Manifest
 from deepspec.cache.write.lease import DEFAULT_TTL_S
-from deepspec.cache.write.part_data import PartData
+from deepspec.cache.write.part_data import PartData, PartWriter
 from deepspec.cache.write.process_child import how_it_ended, start_child
 from deepspec.cache.write.shared_buffers import SharedBuffer, packed_size, round_size
 
@@ -52,7 +52,7 @@ def _failed(url: str, e: BaseException) -> CacheFormatError:
     return error
 
 
-class ProcessWriter:
+class ProcessWriter(PartWriter):
     """CacheWriter's arguments and methods (part_data.PartWriter, plus committed_sample_ids). `depth`:
     batches handed over and not yet copied out by the child (each holds a shared buffer of its size)."""
 
@@ -157,18 +157,6 @@ class ProcessWriter:
     def write_manifest(self, order: list[str] | None = None, rescan: bool = False,
                        prune_unlisted: bool | None = None) -> dict:
         return self._call("write_manifest", None if order is None else list(order), rescan, prune_unlisted)
-
-    def __enter__(self) -> "ProcessWriter":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        try:
-            if exc[0] is None:
-                self.close()
-            else:
-                self.abort()
-        finally:
-            self.release()
 
     # ---- the computing side: the caller's thread ---------------------------------------------------
     def _raise_if_failed(self) -> None:

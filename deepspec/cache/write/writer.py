@@ -29,7 +29,7 @@ from deepspec.cache.spec.format import (INDEX_COLUMNS, PART_NAME, CacheFormatErr
                                    key_to_str, part_arrays, part_name, sample_keys, scale_name)
 from deepspec.cache.write.lease import DEFAULT_TTL_S, LEASE_NAME, acquire, join
 from deepspec.cache.spec.manifest import Manifest, PartEntry, manifest_mismatch
-from deepspec.cache.write.part_data import PartData, PartFeed
+from deepspec.cache.write.part_data import PartData, PartFeed, PartWriter
 from deepspec.cache.storage.urls import is_remote
 from deepspec.cache.backends.writers import open_for_write
 
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 TOKEN_CHUNK_1D = 1024  # input_ids / loss_mask / scales: a sample reads one or two chunks
 
 
-class CacheWriter:
+class CacheWriter(PartWriter):
     """Writes parts into one store, of the backend the manifest's `storage` names ("zarr", the
     default, or "hdf5"; backend.WritableStore). Rank 0 (the default) takes the store's lease
     (deepspec.cache.write.lease) before touching anything; the other ranks of the same job pass its
@@ -250,18 +250,6 @@ class CacheWriter:
     def release(self) -> None:
         """Give up the store's lease (rank 0; a no-op for joined ranks). Call after close()."""
         self.lease.release()
-
-    def __enter__(self) -> "CacheWriter":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        try:
-            if exc[0] is None:
-                self.close()
-            else:
-                self.abort()
-        finally:
-            self.release()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
