@@ -76,7 +76,7 @@ def calibrate(model: Launches, part_ms: float) -> int:
     return max(1, round(part_ms / 1e3 / per))
 
 
-def parts(width: int, part_tokens: int, count: int, model: Launches, ops: int, bits: np.ndarray):
+def parts(part_tokens: int, count: int, model: Launches, ops: int, bits: np.ndarray):
     """`count` parts, each of part_tokens // 512 samples (part k's last one k tokens shorter, so no two
     share their arrays' shapes), its forward run when its batch is drawn."""
     n = part_tokens // SAMPLE_TOKENS
@@ -102,7 +102,7 @@ def paced_writer(width: int, args, threads: int, tmp: Path, go) -> None:
     writer = CacheWriter(str(tmp / f"c{os.getpid()}.zarr"), manifest(width), threads=threads)
     go.wait()
     t0 = time.perf_counter()
-    for k, part in enumerate(parts(width, args.part_tokens, args.parts, none, 0, bits)):
+    for k, part in enumerate(parts(args.part_tokens, args.parts, none, 0, bits)):
         time.sleep(max(0.0, t0 + k * args.part_ms / 1e3 - time.perf_counter()))
         writer.submit(part)
     writer.close(consolidate=False)
@@ -134,7 +134,7 @@ def run(width: int, args, threads: int, ops: int, model: Launches, bits: np.ndar
         return t
     t0 = time.perf_counter()
     if kind == "alone":
-        for part in parts(width, args.part_tokens, args.parts, model, ops, bits):
+        for part in parts(args.part_tokens, args.parts, model, ops, bits):
             for _ in part.batches:
                 pass
         t = time.perf_counter() - t0
@@ -142,7 +142,7 @@ def run(width: int, args, threads: int, ops: int, model: Launches, bits: np.ndar
     url = tmp / f"s{time.monotonic_ns()}.zarr"
     writer = (ProcessWriter if kind == "process" else CacheWriter)(str(url), manifest(width), threads=threads)
     t0 = time.perf_counter()
-    for part in parts(width, args.part_tokens, args.parts, model, ops, bits):
+    for part in parts(args.part_tokens, args.parts, model, ops, bits):
         writer.submit(part)
     loop = time.perf_counter() - t0
     writer.close(consolidate=False)

@@ -35,8 +35,7 @@ from deepspec.cache.build.input_plan import (EmptyInput, check_not_empty, index_
 from deepspec.cache.write.process_writer import ProcessWriter
 from deepspec.cache.write.writer import CacheWriter
 from deepspec.config import CacheConfig
-from deepspec.devices import HostCopies, writer_threads
-from deepspec.devices import separate_writer as separate_writer_of
+from deepspec.devices import HostCopies, separate_writer as separate_writer_of, writer_threads
 from deepspec.models.capture import forward_capture
 from deepspec.models.target import check_layers, compute_fingerprint, compute_settings, load_causal_lm, load_identity
 from deepspec.progress import progress
@@ -168,7 +167,7 @@ def load_target(target_dir: Path, device: torch.device, compute: dict | None = N
 class FillHooks:
     """Where a read-through run (fill.py) joins a single-rank build; each default changes nothing.
     The hooks run on the building thread, except `committed`, which runs on a thread of the writer's
-    (its commit thread, or a ProcessWriter's events thread)."""
+    (its commit thread, or the thread a ProcessWriter calls on_commit on)."""
 
     def inputs(self, index: RowIndex, plan: list[tuple[str, np.ndarray]], rules: EncodeRules) -> None:
         """What the plan is made of, just before `planned`: the planned samples encode again from it."""

@@ -255,7 +255,7 @@ class ProcessWriter(PartWriter):
                 return
             if kind == "end":
                 item = ("drop",)
-        if kind == "batch" and self._error is None:
+        if kind == "batch":
             self._send_batch(item[1])
         else:
             self._send(item)
