@@ -2,6 +2,7 @@
 CacheWriter, its failures raised in the computing process, and either process killed without losing
 a committed part or keeping an uncommitted one."""
 import inspect
+import logging
 import os
 import signal
 import subprocess
@@ -185,6 +186,38 @@ def test_a_store_another_writer_holds_is_refused_with_the_writers_own_error(tmp_
     with CacheWriter(url, manifest("zarr")):
         with pytest.raises(LeaseError, match="another job is writing this cache"):
             ProcessWriter(url, manifest("zarr"))
+
+
+class Kept(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_the_writer_process_logs_through_the_computing_process_loggers(tmp_path):
+    """A warning of the child's CacheWriter (a stale store pruned) reaches the handler and level this
+    process set on that logger, names the writer process, and keeps its arguments formatted."""
+    url = str(tmp_path / "store")
+    write(("zarr", url, None), [make_part("p000000", 1)])
+    logger = logging.getLogger("deepspec.cache.write.writer")
+    kept, old_level = Kept(), logger.level
+    logger.addHandler(kept)
+    try:
+        for level, expect in ((logging.ERROR, 0), (logging.WARNING, 1)):
+            logger.setLevel(level)
+            w = ProcessWriter(url, manifest("zarr", codec="blosc-lz4" if expect else "blosc-zstd"))
+            w.close()
+            w.release()
+            stale = [r for r in kept.records if "existing cache is stale" in r.getMessage()]
+            assert len(stale) == expect
+    finally:
+        logger.removeHandler(kept)
+        logger.setLevel(old_level)
+    assert stale[0].levelno == logging.WARNING and stale[0].process == w.pid
+    assert stale[0].getMessage().startswith(f"{url}: existing cache is stale (codec")
 
 
 def test_a_killed_writer_process_fails_the_computation_and_its_store_resumes(tmp_path):

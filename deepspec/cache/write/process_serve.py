@@ -3,17 +3,19 @@
     python -m deepspec.cache.write.process_serve <commands fd> <events fd>
 
 Messages in, in order: ("call", seq, method, args) runs "open" (CacheWriter's keyword arguments and
-the log level) or one of the writer's methods; ("buffer", id, size) followed by the buffer's
+the levels the computing process set on its loggers) or one of the writer's methods; ("buffer", id, size) followed by the buffer's
 descriptor, ("drop_buffer", id); ("part", PartData without states) opening a streamed part, then
 ("batch", buffer id, keys, layout) per batch and ("end",) or ("drop",); ("whole", PartData);
 ("exit",). Out: ("reply", seq, value) or ("raised", seq, exception) per call; ("free", buffer id)
 once a batch is copied out; ("committed", part name); ("failed", message) the first time the writer
-refuses a part. When the commands end without "exit" (the computing process died) the writer stops
+refuses a part; ("log", a log record's attributes), which the computing process's loggers handle as
+their own, so its handlers and levels apply. When the commands end without "exit" (the computing process died) the writer stops
 as CacheWriter.abort does, and the lease is released.
 """
 from __future__ import annotations
 
 import logging
+import logging.handlers
 import pickle
 import signal
 import sys
@@ -34,6 +36,19 @@ def portable(e: BaseException) -> BaseException:
         return RuntimeError(f"{type(e).__name__}: {e}")
 
 
+class ToParent(logging.handlers.QueueHandler):
+    """Sends each record, its message formatted here (its arguments need not pickle), to the computing
+    process; once that process is gone, to stderr."""
+
+    def __init__(self, served: "Served"):
+        super().__init__(None)
+        self.served = served
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        if not self.served.emit("log", record.__dict__):
+            logging.lastResort.handle(record)
+
+
 class Served:
     def __init__(self, commands: Connection, events: Connection):
         self.commands, self.events = commands, events
@@ -45,12 +60,13 @@ class Served:
         self.finished = False  # closed or aborted: a CacheWriter is stopped once
         self.released = False
 
-    def emit(self, *message) -> None:
+    def emit(self, *message) -> bool:
         with self.lock:
             try:
                 self.events.send(message)
+                return True
             except OSError:  # the computing process is gone: the commands end next
-                pass
+                return False
 
     def fail(self, e: BaseException) -> None:
         if not self.failed:
@@ -68,8 +84,10 @@ class Served:
                 return
             getattr(self, "on_" + message[0])(*message[1:])
 
-    def open(self, kwargs: dict, level: int) -> dict:
-        logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    def open(self, kwargs: dict, levels: dict[str, int]) -> dict:
+        logging.getLogger().addHandler(ToParent(self))
+        for name, level in levels.items():
+            logging.getLogger(name or None).setLevel(level)
         self.writer = CacheWriter(**kwargs)
         self.writer.on_commit = lambda name: self.emit("committed", name)
         return self.writer.manifest.to_dict()

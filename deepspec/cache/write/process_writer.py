@@ -13,7 +13,8 @@ lease, its commits and its failures are those of CacheWriter; the lease is the c
 child leaves it to be taken over as a killed writer's is), and a child whose computing process dies
 stops as CacheWriter.abort does. A failure on this side (a batch whose copies fail, an `on_commit`
 that raises) fails the writer as it fails a CacheWriter: the part open in the child is dropped, no
-later part is written, and `close` raises it without consolidating.
+later part is written, and `close` raises it without consolidating. The child's log records are
+handled by this process's loggers (its handlers; the levels it had set when the writer opened).
 
 A part copied from another store (PartData.copy, a derive) is refused: it needs the source store's
 objects in this process; the cache stage writes a derive with a CacheWriter.
@@ -82,7 +83,7 @@ class ProcessWriter(PartWriter):
         kwargs = dict(url=url, manifest=dict(manifest), storage_options=storage_options, queue_size=queue_size,
                       rank=rank, prune_stale=prune_stale, run_id=run_id, lease_ttl=lease_ttl, threads=threads)
         try:
-            opened = self._call("open", kwargs, logging.getLogger().getEffectiveLevel())
+            opened = self._call("open", kwargs, _levels())
         except BaseException:
             self._shut()
             raise
@@ -319,6 +320,11 @@ class ProcessWriter(PartWriter):
                     self._commits.put(rest[0])
                 elif kind == "failed":
                     self._fail(CacheFormatError(rest[0]))
+                elif kind == "log":
+                    record = logging.makeLogRecord(rest[0])
+                    logger = logging.getLogger(record.name)
+                    if logger.isEnabledFor(record.levelno):
+                        logger.handle(record)
                 else:
                     self._answer(rest[0], kind, rest[1])
         except (EOFError, OSError) as e:
@@ -383,6 +389,13 @@ class ProcessWriter(PartWriter):
         for buffer in self._buffers.values():
             buffer.close()
         self._buffers.clear()
+
+
+def _levels() -> dict[str, int]:
+    """The levels set on this process's loggers ("" the root's), for the same loggers in the child."""
+    loggers = logging.Logger.manager.loggerDict.items()
+    return {"": logging.getLogger().level,
+            **{name: lg.level for name, lg in loggers if isinstance(lg, logging.Logger) and lg.level}}
 
 
 def _forget_all() -> None:
