@@ -30,6 +30,7 @@ class Dist:
     world: int
     device: torch.device
     group: Any = None   # None: the default group (every rank of the launch)
+    timeout: timedelta | None = None  # the stage's, for the groups `split` makes (None: torch's default)
 
     @property
     def multi(self) -> bool:
@@ -92,10 +93,14 @@ def split(d: Dist, capture: int, wait_s: float) -> Roles:
     if not 0 < capture < d.world:
         raise ValueError(f"capture ranks: {capture} of a world of {d.world} leaves no rank to train or none to capture")
     first = d.world - capture
-    groups = [dist.new_group(list(range(first))), dist.new_group(list(range(first, d.world)))]
+    # each role's group waits as long as the launch's (a group made without a timeout gets the
+    # backend's default: 10 minutes under NCCL, however long the stage may wait)
+    groups = [dist.new_group(list(range(first)), timeout=d.timeout),
+              dist.new_group(list(range(first, d.world)), timeout=d.timeout)]
     side = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait_s))
     capturing = d.rank >= first
-    own = Dist(d.rank - first if capturing else d.rank, capture if capturing else first, d.device, groups[capturing])
+    own = Dist(d.rank - first if capturing else d.rank, capture if capturing else first, d.device, groups[capturing],
+               d.timeout)
     return Roles(capturing, own, side, first)
 
 
@@ -109,13 +114,14 @@ def launch(timeout_s: float) -> Iterator[Dist]:
     device = local_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
     if world > 1:
         if device.type == "cuda":  # device_id: NCCL binds its communicator to this GPU at once
-            dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=device)
+            dist.init_process_group("nccl", timeout=timeout, device_id=device)
         else:
-            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group("gloo", timeout=timeout)
     try:
-        yield Dist(rank, world, device)
+        yield Dist(rank, world, device, timeout=timeout)
     finally:
         if world > 1 and dist.is_initialized():
             # Free what holds the process group (DDP, a trainer) while the interpreter is whole: left to

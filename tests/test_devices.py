@@ -119,6 +119,46 @@ def test_launch_makes_the_local_gpu_current_before_any_collective(monkeypatch):
         assert (d.rank, d.world, d.share(5), d.gather(5)) == (0, 1, 5, [5])
 
 
+def _wait_in_the_trainers_group(rank: int, port: int, out: str) -> None:
+    """One of 3 gloo ranks, split into 2 trainers and 1 capture rank: trainer 0 waits in its group's
+    barrier for trainer 1, which never comes; trainer 0 writes how long it waited and what it raised."""
+    import json
+    import time
+
+    from deepspec.distributed import launch, split
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="3")
+    done = Path(out)
+    with launch(10) as d:
+        roles = split(d, 1, 120)
+        if rank == 0:
+            t = time.monotonic()
+            try:
+                roles.own.barrier()
+                raised = None
+            except Exception as e:
+                raised = f"{type(e).__name__}: {e}"
+            done.write_text(json.dumps({"waited_s": time.monotonic() - t, "raised": raised}))
+        else:
+            deadline = time.monotonic() + 90
+            while not done.exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+
+
+def test_the_role_groups_of_a_split_world_wait_as_long_as_the_stage_says(tmp_path):
+    """A group made without a timeout waits the backend's default (10 minutes under NCCL, whatever the
+    stage's collective_timeout_s); `split`'s trainer and capture groups wait the launch's."""
+    import json
+
+    from deepspec.data.servers import free_port
+
+    out = tmp_path / "waited.json"
+    torch.multiprocessing.spawn(_wait_in_the_trainers_group, nprocs=3, args=(free_port(), str(out)))
+    got = json.loads(out.read_text())
+    assert got["raised"] is not None and 9 < got["waited_s"] < 40, got
+
+
 def test_a_generator_draws_on_the_probabilities_device_and_a_foreign_one_is_refused():
     probs = torch.tensor([[0.1, 0.9], [0.8, 0.2]], device="cpu")
     got = draw(probs, generator(probs.device, 4))
