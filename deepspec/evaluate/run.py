@@ -92,7 +92,7 @@ def load_models(target_dir: Path, draft_dir: Path, device: torch.device):
     compute = compute_settings(target_dir, device)
     tok = AutoTokenizer.from_pretrained(target_dir)
     target = load_causal_lm(target_dir, device, compute)
-    draft = load_draft(draft_dir, device).to(getattr(torch, compute["dtype"]))
+    draft = load_draft(draft_dir, device, getattr(torch, compute["dtype"]))
     eos = target.generation_config.eos_token_id
     stop = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tok.eos_token_id is not None:

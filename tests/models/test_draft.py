@@ -86,3 +86,28 @@ def test_speculators_refuses_a_draft_trained_on_scaled_embeddings():
     draft = draft_for(Gemma3TextConfig(**SMALL, sliding_window=16), embed_scale=8.0)
     with pytest.raises(Refused, match="scales its input embeddings by 8"):
         Speculators().build(draft, TargetRef("t", ["Gemma3ForCausalLM"], 2, 64, 300), "float32")
+
+
+@pytest.mark.parametrize("algorithm", ["dspark", "eagle3"])
+def test_a_draft_loaded_in_bf16_keeps_the_rope_a_target_loaded_in_bf16_has(tmp_path, algorithm):
+    """Eval loads the draft in the target's compute dtype (bf16 on a GPU): its weights are cast, its
+    RoPE frequencies are not, so its angles stay those it trained with, as transformers' target's do."""
+    from deepspec.models.draft import save_draft
+    from deepspec.models.eagle3 import Eagle3Model
+    from deepspec.models.registry import load_draft
+
+    qwen = Qwen3Config(**SMALL)
+    save_model(qwen, tmp_path / "target")
+    target = AutoModelForCausalLM.from_pretrained(tmp_path / "target", dtype=torch.bfloat16)
+    dspark = algorithm == "dspark"
+    config = DraftConfig.for_target(algorithm, qwen, [0, 1] if dspark else [-1, 0, 1], 4, 1, 8 if dspark else 0, {},
+                                    ttt_steps=2, draft_vocab_size=0 if dspark else 32)
+    save_draft((DraftModel if dspark else Eagle3Model)(config), tmp_path / "draft")
+    draft = load_draft(tmp_path / "draft", dtype=torch.bfloat16)
+    assert {p.dtype for p in draft.parameters()} == {torch.bfloat16}
+    assert all(b.dtype in (torch.bfloat16, torch.long, torch.bool) for b in draft.state_dict().values())
+    x, pos = torch.zeros(1, 4000, 64, dtype=torch.bfloat16), torch.arange(4000)[None]
+    for ours, theirs in zip(draft.rotary(x, pos), target.model.rotary_emb(x, pos)):
+        assert torch.equal(ours, theirs)
+    rounded = load_draft(tmp_path / "draft").to(torch.bfloat16)  # what Module.to alone gives
+    assert not torch.equal(rounded.rotary(x, pos)[0], target.model.rotary_emb(x, pos)[0])
