@@ -198,6 +198,35 @@ def test_a_failed_capture_stops_the_run_naming_the_part_and_the_reason(tmp_path,
     assert set(open_cache(str(rt / "data" / "cache.zarr")).committed_parts()) == set(calls[:2])
 
 
+def test_once_every_part_is_committed_the_fill_lets_go_of_the_target(tmp_path, trained_target, monkeypatch):
+    """On one GPU the fill waits for the trainer after its last part: the target's memory must be the
+    trainer's then, not held until training ends."""
+    import gc
+    import weakref
+
+    from deepspec.cache.build import stage
+
+    rt = workdir(tmp_path, trained_target)
+    loaded, real = [], stage.load_model
+    monkeypatch.setattr(stage, "load_model", lambda *a, **kw: loaded.append(weakref.ref(m := real(*a, **kw))) or m)
+    fill = StoreFill(CacheConfig(url=str(rt / "data" / "cache.zarr"), **CACHE), LAYERS,
+                     rt / "data" / "regen" / "train.jsonl", rt / "data" / "target")
+    try:
+        fill.compute(fill.plan().names)
+        deadline = time.monotonic() + 120
+        while not fill.idle() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert fill.idle() and len(loaded) == 1
+        for _ in range(50):  # the fill thread lets go after its writer's close
+            gc.collect()
+            if loaded[0]() is None:
+                break
+            time.sleep(0.1)
+        assert loaded[0]() is None
+    finally:
+        fill.finish()
+
+
 def test_the_plan_is_the_cache_stages_and_another_one_is_refused(tmp_path, trained_target):
     rt = workdir(tmp_path, trained_target)
     regen, target = rt / "data" / "regen" / "train.jsonl", rt / "data" / "target"

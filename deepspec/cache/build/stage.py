@@ -215,14 +215,7 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
     check_layers(layers, ident["num_layers"])
     tokenizer = load_tokenizer(target_dir)
     # the target is loaded only when a part has to be computed (a derive may need none)
-    model_box: dict = {}
-
-    def get_model():
-        if "model" not in model_box:
-            tm = time.time()
-            model_box["model"] = load_model(target_dir, device, compute)
-            model_box["load_s"] = time.time() - tm
-        return model_box["model"]
+    target = OnDemand(lambda: load_model(target_dir, device, compute))
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -265,7 +258,7 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
                      f"no index of this input at {index_from}: indexing {regen_path}")
         if index_from is not None and world > 1:
             index = share(index)
-        report = _build(writer, cfg, layers, regen_path, ident, tokenizer, get_model, pad_id, device,
+        report = _build(writer, cfg, layers, regen_path, ident, tokenizer, target, pad_id, device,
                         rank, world, share, gather, derivation.source, hooks or FillHooks(), index)
         writer.release()
         derivation.finish()  # a local in-place derive: the new store takes the old one's place
@@ -280,7 +273,7 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
         derive = derivation.report(report.pop("parts_computed"), report.pop("parts_derived"))
         if derive["source"] is not None:
             # the derive's own work: everything from choosing the source to the swap, less the target's
-            derive["wall_s"] = round(time.time() - derivation.started - model_box.get("load_s", 0.0)
+            derive["wall_s"] = round(time.time() - derivation.started - target.load_s
                                      - report["forward_s"], 2)
         report["derive"] = derive
         report["mode"] = "derived" if derive["parts_derived"] and not derive["parts_computed"] else \
@@ -312,8 +305,25 @@ def plan_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir
     return report
 
 
+class OnDemand:
+    """A model loaded when first asked for (`load_s`: how long that took) and let go on `drop`."""
+
+    def __init__(self, load):
+        self._load, self._model, self.load_s = load, None, 0.0
+
+    def get(self):
+        if self._model is None:
+            t = time.time()
+            self._model = self._load()
+            self.load_s = time.time() - t
+        return self._model
+
+    def drop(self) -> None:
+        self._model = None
+
+
 def _build(writer: PartWriter, cfg: CacheConfig, layers: list[int], regen_path: Path, ident: dict,
-           tokenizer, get_model, pad_id: int, device: torch.device, rank: int, world: int, share, gather,
+           tokenizer, target: "OnDemand", pad_id: int, device: torch.device, rank: int, world: int, share, gather,
            source=None, hooks: FillHooks = FillHooks(), index: RowIndex | None = None) -> dict:
     """Write every planned part the store lacks: taken from `source` (deepspec.cache.build.derive) when it
     holds a part of the same content, else computed with the target; then list exactly the planned
@@ -367,9 +377,9 @@ def _build(writer: PartWriter, cfg: CacheConfig, layers: list[int], regen_path: 
             hooks.before_part(name)
             part = source.part(name, samples) if source is not None else None
             if part is None:
-                model = get_model()
+                target.get()  # loaded before the forward time starts
                 tf = time.time()
-                part = compute_part(model, name, samples, layers, cfg.batch_tokens, pad_id, device, cfg.dtype,
+                part = compute_part(target.get(), name, samples, layers, cfg.batch_tokens, pad_id, device, cfg.dtype,
                                     writer=writer, computed_by=fingerprint)  # streamed: written as they come
                 forward_s += time.time() - tf
                 computed += 1
@@ -382,6 +392,8 @@ def _build(writer: PartWriter, cfg: CacheConfig, layers: list[int], regen_path: 
             del samples  # the next part's samples are tokenised before this name is rebound
             bar.update(part.tokens)
         writer.close(consolidate=False)  # rank 0 consolidates once, below, after every rank
+        # a read-through fill waits here while training goes on: the target's memory is the trainer's
+        target.drop()
         hooks.filled()
     except BaseException:
         writer.abort()
