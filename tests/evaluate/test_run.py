@@ -96,3 +96,20 @@ def test_suites_are_reported_separately_with_the_protocol(evaluated):
     assert len(proto["chat_template_sha256"]) == 16
     assert plot_rows(report) == [{"suite": s, "decoding": d, "tau": report["suites"][s]["tau" if d == "greedy" else "tau_sample"]}
                                  for s in ("one", "two") for d in ("greedy", "sampled")]
+
+
+def test_every_kind_of_decode_runs_once_untimed_before_the_first_prompt(tmp_path, trained_target, draft_dir,
+                                                                       monkeypatch):
+    """The first decode in a process pays the device's start-up; none of the suite's timings may."""
+    from deepspec.evaluate.specdec import SpecDecoder
+
+    calls = []
+    for kind in ("plain", "speculative"):
+        real = getattr(SpecDecoder, kind)
+        monkeypatch.setattr(SpecDecoder, kind, lambda self, prompt, max_new, warp, seed=0, real=real, kind=kind:
+                            calls.append((kind, max_new, warp.greedy)) or real(self, prompt, max_new, warp, seed))
+    one = write(tmp_path / "one.jsonl", [{"id": "0", "task": "math", "turns": ["What is 3 plus 4?"]}])
+    evaluate(trained_target, draft_dir, {"one": load_suite(SuiteConfig(str(one)), tmp_path / "none")},
+             EvalConfig(max_new_tokens=5), SAMPLING)
+    assert calls == [("plain", 2, True), ("speculative", 2, True), ("speculative", 2, False),
+                     ("plain", 5, True), ("speculative", 5, True), ("speculative", 5, False)]
