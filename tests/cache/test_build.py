@@ -34,7 +34,7 @@ def _load_model_alone(*a, **k):
         return _load_model(*a, **k)
 
 
-def build_ranks(work: Path, world: int, layers=LAYERS, **cfg) -> list:
+def build_ranks(work: Path, world: int, layers=LAYERS, separate_writer: bool | None = None, **cfg) -> list:
     """`world` ranks of one job as threads: a barrier, rank 0's value handed over like torchrun's
     broadcast and every rank's like its all_gather. Returns each rank's report, or the exception it raised."""
     # transformers' lazy imports and from_pretrained (a global init context) are not thread-safe:
@@ -68,7 +68,7 @@ def build_ranks(work: Path, world: int, layers=LAYERS, **cfg) -> list:
             results[rank] = build_cache(CacheConfig(url=str(work / "data" / "cache.zarr"), **cfg), layers,
                                         work / "data/regen/train.jsonl", work / "data/target", rank, world,
                                         share=lambda v: share(v, rank),
-                                        gather=lambda v: gather(v, rank))
+                                        gather=lambda v: gather(v, rank), separate_writer=separate_writer)
         except BaseException as e:  # noqa: BLE001 - reported to the test
             results[rank] = e
             barrier.abort()  # a rank that died frees the others from waiting for it
@@ -281,6 +281,23 @@ def test_a_build_with_its_writer_in_a_process_of_its_own_equals_a_build_with_a_w
     derived = build_cache(CacheConfig(url=str(url), part_tokens=300), LAYERS[:1], work / "data/regen/train.jsonl",
                           work / "data/target", separate_writer=True)
     assert derived["mode"] == "derived" and len(opened) == 1
+
+
+def test_ranks_each_writing_through_a_process_of_their_own_build_the_store_ranks_with_threads_build(
+        tmp_path, trained_target):
+    """A multi-GPU cache stage: every rank's parts go through its own writer process, which joins the
+    job's lease under rank 0's; rank 0 lists every rank's parts. The store is the one writer threads give."""
+    rows = many_rows(1)
+    urls = {}
+    for separate in (False, True):
+        work = workdir(tmp_path / str(separate), trained_target, rows)
+        results = build_ranks(work, 2, separate_writer=separate, part_tokens=150)
+        assert all(not isinstance(r, BaseException) for r in results), results
+        urls[separate] = str(work / "data/cache.zarr")
+    assert set(committed(urls[True]).values()) == {0, 1}
+    assert array_hashes(urls[True]) == array_hashes(urls[False])
+    assert CacheReader(urls[True]).manifest["parts"] == CacheReader(urls[False]).manifest["parts"]
+    assert not list(Path(urls[True]).glob("*lease*"))  # the writer processes gave the job's lease up
 
 
 def test_build_holds_a_bounded_number_of_samples(tmp_path, trained_target, monkeypatch):
