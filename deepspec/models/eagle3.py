@@ -238,13 +238,25 @@ def target_on_draft_vocab(last_hidden: torch.Tensor, head: torch.Tensor, draft_i
     return torch.cat(p_draft), torch.cat(top)
 
 
-def _chunk_terms(model: Eagle3Model, h: torch.Tensor, target_h: torch.Tensor, labels: torch.Tensor,
-                 wk: torch.Tensor, draft_ids: torch.Tensor):
+def keeps_target_terms(draft_vocab: int, intermediate: int) -> bool:
+    """Whether a chunk's target distribution on the draft vocabulary ([rows, Vd] fp32) is computed once
+    and kept for backward, instead of the [rows, V] product with the target's head (the loss's largest)
+    being computed again in backward: kept while it adds at most a quarter to what the decoder layer
+    keeps per row anyway (its MLP's three [rows, I] activations, bf16 under autocast). Qwen3-4B's
+    width with the default 2,048-token draft vocabulary keeps it; a 32,000-token one recomputes."""
+    return 4 * draft_vocab <= (3 * intermediate * 2) // 4
+
+
+def _chunk_terms(model: Eagle3Model, h: torch.Tensor, labels: torch.Tensor, wk: torch.Tensor,
+                 draft_ids: torch.Tensor, target_h: torch.Tensor | None, p_t_draft: torch.Tensor | None,
+                 target_top: torch.Tensor | None):
     """The weighted CE and L1 sums of some supervised rows, and (no grad) each row's L1 and whether
-    the draft's argmax is the target's."""
+    the draft's argmax is the target's. The target's side: `p_t_draft` and `target_top` as computed,
+    or computed here from `target_h`."""
     logits = model.logits(h)                                                          # [rows, Vd]
-    p_t_draft, target_top = target_on_draft_vocab(target_h, model.verifier_head.to(target_h.dtype), draft_ids,
-                                                  chunk_rows=len(target_h) or 1)
+    if p_t_draft is None:
+        p_t_draft, target_top = target_on_draft_vocab(target_h, model.verifier_head, draft_ids,
+                                                      chunk_rows=len(target_h) or 1)
     p_draft = logits.softmax(-1)
     l1 = (p_draft - p_t_draft).abs().sum(-1) + (1 - p_t_draft.sum(-1)).clamp_min(0)
     ce = F.cross_entropy(logits, labels.clamp_min(0), reduction="none") * (labels >= 0)
@@ -270,6 +282,13 @@ def eagle3_loss(model: Eagle3Model, batch: dict, ce_w: float, l1_w: float, decay
     pos = torch.arange(1, T, device=ids.device)[None].expand(B, n)
     h = model.fc(batch["hidden"][:, :n].to(dtype))
     t2d_index, draft_ids = model.target_to_draft(), model.draft_ids()
+    device_type = ids.device.type
+    head_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else dtype
+    if model.verifier_head.dtype != head_dtype:
+        # once, not per chunk: the head's product runs in this dtype anyway (autocast's bf16 on a GPU),
+        # and autocast casts a buffer again at every use, moving the whole [V, H] head through memory
+        model.verifier_head = model.verifier_head.to(head_dtype)
+    keep = keeps_target_terms(len(draft_ids), model.config.intermediate_size)
     past, loss = [], torch.zeros((), device=ids.device)
     ce_sum = l1_sum = torch.zeros((), dtype=torch.float64, device=ids.device)
     agree = torch.zeros(B, n, K, dtype=torch.bool, device=ids.device)
@@ -284,15 +303,17 @@ def eagle3_loss(model: Eagle3Model, batch: dict, ce_w: float, l1_w: float, decay
             continue
         b_idx, t_idx = sel.nonzero(as_tuple=True)
         labels = t2d_index[ids[b_idx, t_idx + 2 + k]]                                # draft index, -1 outside
-        target_h = batch["last_hidden"][b_idx, t_idx + 1 + k].to(dtype)
+        target_h = batch["last_hidden"][b_idx, t_idx + 1 + k].to(head_dtype)
         wk = w[:, :, k][sel]
         head_rows, l1_all, agree_all = h[sel], [], []
         for a in range(0, len(labels), TARGET_CHUNK_ROWS):
             # a chunk's [rows, V] target and [rows, Vd] draft distributions exist only while it is
-            # computed; backward recomputes them (checkpoint), so a step keeps [rows, H] per chunk
+            # computed; backward recomputes the draft's (checkpoint), and the target's unless kept
             c = slice(a, a + TARGET_CHUNK_ROWS)
+            target = (target_h[c], None, None) if not keep else \
+                (None, *target_on_draft_vocab(target_h[c], model.verifier_head, draft_ids, len(target_h[c]) or 1))
             ce_c, l1_c, l1_rows, agree_rows = checkpoint(
-                _chunk_terms, model, head_rows[c], target_h[c], labels[c], wk[c], draft_ids, use_reentrant=False)
+                _chunk_terms, model, head_rows[c], labels[c], wk[c], draft_ids, *target, use_reentrant=False)
             loss = loss + (ce_w * ce_c + l1_w * l1_c) / total
             ce_sum = ce_sum + ce_c.detach().double()
             l1_sum = l1_sum + l1_c.detach().double()
@@ -301,6 +322,10 @@ def eagle3_loss(model: Eagle3Model, batch: dict, ce_w: float, l1_w: float, decay
         with torch.no_grad():
             agree[:, :, k][sel] = torch.cat(agree_all)
             alpha_full[:, :, k][sel] = (1 - 0.5 * torch.cat(l1_all)).clamp(0, 1)
+    if not loss.requires_grad and torch.is_grad_enabled():
+        # no row of this micro-batch is supervised: a zero loss that still reaches every trainable
+        # parameter, so its backward (and DDP's reduction with the other ranks) runs as for any batch
+        loss = loss + model.logits(h[:0]).sum()
     with torch.no_grad():  # tensors on the device: the trainer reads them back once per optimizer step
         metrics = {"ce": ce_sum / total.double(), "l1": l1_sum / total.double(), "supervised_slots": valid.sum(),
                    "weight": w.sum(), "loss": loss.detach()}

@@ -430,6 +430,60 @@ def test_every_trainable_parameter_gets_a_gradient_so_ddp_needs_no_unused_search
                        norm=1.0).loss.backward()
         trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
         assert trainable and [n for n, p in trainer.model.named_parameters() if p.requires_grad and p.grad is None] == []
+        # a micro-batch with nothing supervised: a zero loss that still reaches every parameter
+        trainer.model.zero_grad(set_to_none=True)
+        empty = dict(batch, loss_mask=torch.zeros_like(batch["loss_mask"]))
+        anchors = sample_anchors(empty["loss_mask"], empty["lengths"], cfg.anchors_per_sample,
+                                 anchor_generator(cfg.seed, 0, 0, 0))
+        out = trainer.module(empty, anchors, cfg.ce_weight, cfg.l1_weight, cfg.conf_weight, cfg.decay_gamma, norm=1.0)
+        out.loss.backward()
+        assert float(out.loss.detach()) == 0.0
+        assert all(p.grad is not None and not p.grad.any() for p in trainer.model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_eagle3_keeps_or_recomputes_the_targets_distribution_with_the_same_loss_and_gradients(
+        small_cache, trained_target, monkeypatch, autocast):
+    """Kept, the target's [rows, V] product runs once per chunk; recomputed, again in backward; the loss
+    and every gradient are the same bits. Under autocast the target's head is cast to bf16 once, not
+    at every product."""
+    import copy
+
+    import deepspec.models.eagle3 as eagle3
+    from deepspec.train.run import new_draft
+
+    data = TargetCacheDataset(str(small_cache), layers=[-1, 0, 2], fields=("input_ids", "loss_mask"))
+    model = new_draft(TrainConfig(algorithm="eagle3", ttt_steps=3, draft_vocab_size=64), [-1, 0, 2],
+                      trained_target, eagle3.loss_token_counts(data))
+    batches = [collate([TargetCacheDataset(str(small_cache), layers=[-1, 0, 2])[i] for i in (a, a + 1)])
+               for a in (0, 2)]
+    monkeypatch.setattr(eagle3, "TARGET_CHUNK_ROWS", 16)
+    head_shape, real = tuple(model.verifier_head.shape), eagle3.target_on_draft_vocab
+    got = {}
+    for keep in (True, False):
+        monkeypatch.setattr(eagle3, "keeps_target_terms", lambda vd, i, keep=keep: keep)
+        m, products, casts = copy.deepcopy(model), [], []
+        monkeypatch.setattr(eagle3, "target_on_draft_vocab", lambda *a, **k: products.append(1) or real(*a, **k))
+
+        class HeadCasts(torch.utils._python_dispatch.TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) == head_shape:
+                    casts.append(1)
+                return func(*args, **(kwargs or {}))
+
+        losses = []
+        with HeadCasts(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            for batch in batches:
+                out = eagle3.eagle3_loss(m, batch, 1.0, 1.0, 4.0)
+                out.loss.backward()
+                losses.append(out.loss.detach())
+        chunks = sum(-(-int(eagle3._eagle3_valid(b, 3)[:, :, k].sum()) // 16) for b in batches for k in range(3))
+        assert len(products) == (chunks if keep else 2 * chunks) and chunks > len(batches) * 3
+        assert len(casts) == (1 if autocast else 0)
+        got[keep] = losses, {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
+    assert all(torch.equal(a, b) for a, b in zip(got[True][0], got[False][0]))
+    assert got[True][1].keys() == got[False][1].keys()
+    assert all(torch.equal(got[True][1][n], got[False][1][n]) for n in got[True][1])
 
 
 class ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
