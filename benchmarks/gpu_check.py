@@ -287,6 +287,7 @@ def check_eval(target: Path, draft: Path, size: dict, device: torch.device, must
     # The first decode in a process pays CUDA's lazy start-up (kernel loading, cuBLAS handles), which
     # would dominate a tiny model's ms per token.
     dec.plain(prompts[0], 2, Warp(), seed=0)
+    dec.speculative(prompts[0], 2, Warp(), seed=0)  # the draft's first forward pays its own start-up
     peak_reset(device)
     greedy, plain, sampled = [], [], []
     for k, ids in enumerate(prompts):

@@ -55,7 +55,10 @@ def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num: int,
     ok[:, :-1] = lm[:, :-1] & lm[:, 1:]
     ok &= torch.arange(T, device=lm.device)[None, :] < (lengths[:, None] - 1)
     if isinstance(generator, np.random.Generator):
-        noise = torch.from_numpy(generator.random((B, T), dtype=np.float32)).to(lm.device)
+        noise = torch.from_numpy(generator.random((B, T), dtype=np.float32))
+        # from pageable memory a copy to the GPU waits for the work queued before it (the previous
+        # micro-batch's backward); from pinned memory it is queued behind it
+        noise = noise.pin_memory().to(lm.device, non_blocking=True) if lm.device.type == "cuda" else noise.to(lm.device)
     else:
         noise = torch.rand((B, T), generator=generator, device=generator.device).to(lm.device)
     noise = torch.where(ok, noise, torch.full_like(noise, 2.0))  # invalid positions sort last

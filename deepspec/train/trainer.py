@@ -302,8 +302,9 @@ class Trainer:
     def step(self, batches) -> dict:
         """One optimizer step over `grad_accum` micro-batches drawn from `batches`; returns its metrics.
         Everything a micro-batch measures stays on the device; the step's metrics are read back once,
-        at its end (`_read_metrics`), so the host never waits for the device inside the step and the
-        prefetcher's next copy overlaps the compute."""
+        at its end (`_read_metrics`), so no read-back of a metric makes the host wait inside the step
+        and the prefetcher's next copy overlaps the compute (the selections of supervised rows still
+        wait for their counts: those decide the shapes that follow)."""
         cfg = self.cfg
         step = self.state.step
         lr = cfg.lr * lr_factor(step, cfg)
