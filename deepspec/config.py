@@ -100,6 +100,7 @@ class RegenConfig:
     model: Str = ""
     fraction: Annotated[Float, Field(gt=0.0, le=1.0)] = 0.5
     concurrency: Annotated[Int, Field(ge=1)] = 32
+    batch_tokens: Annotated[Int, Field(ge=1)] | None = None  # local: cap on rows x (longest prompt + max_tokens)
     timeout_s: Annotated[Float, Field(gt=0.0)] = 120.0
     max_retries: Annotated[Int, Field(ge=0)] = 4
     backoff_s: Annotated[Float, Field(ge=0.0)] = 0.5

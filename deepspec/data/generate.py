@@ -106,17 +106,32 @@ class LocalGenerator:
         kwargs = {"enable_thinking": False} if self.cfg.disable_thinking else {}
         return encode_prompt(self.tokenizer, history, **kwargs)
 
-    @torch.inference_mode()
     def answer(self, prompts: list[list[int]], seeds: list[int]) -> list[tuple[str, str, int]]:
-        """(content, finish_reason, completion tokens) for each prompt, generated as one batch."""
+        """(content, finish_reason, completion tokens) for each prompt: one batch, or with
+        `regen.batch_tokens` the groups `token_groups` cuts from it."""
+        out: list = [None] * len(prompts)
+        for group in token_groups([len(p) for p in prompts], self.sampling.max_tokens, self.cfg.batch_tokens):
+            for k, answer in zip(group, self._generate([prompts[k] for k in group], [seeds[k] for k in group])):
+                out[k] = answer
+        return out
+
+    @torch.inference_mode()
+    def _generate(self, prompts: list[list[int]], seeds: list[int]) -> list[tuple[str, str, int]]:
         longest = max(len(p) for p in prompts)
         # left padding: every row's next token is at the end
         ids = torch.tensor([[self.pad] * (longest - len(p)) + p for p in prompts], dtype=torch.long, device=self.device)
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long,
                             device=self.device)
-        with decoding(self.device):
-            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=self.gen,
-                                      logits_processor=[RowSampler(self.sampling, seeds)])
+        try:
+            with decoding(self.device):
+                out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=self.gen,
+                                          logits_processor=[RowSampler(self.sampling, seeds)])
+        except torch.OutOfMemoryError as e:  # the same batch comes back on a rerun: say how to cut it
+            raise RuntimeError(
+                f"regen: out of device memory generating {len(prompts)} rows with prompts of up to {longest} "
+                f"tokens ({len(prompts) * (longest + self.sampling.max_tokens)} rows x (prompt + max_tokens) "
+                f"tokens); set regen.batch_tokens below that to cut batches by tokens, or lower "
+                f"regen.concurrency") from e
         answers = []
         for row in out[:, longest:].tolist():
             stop = next((k for k, t in enumerate(row) if t in self.eos), None)
@@ -159,6 +174,23 @@ class LocalGenerator:
                  "conversations": s["history"], "finish_reasons": s["finish"], "completion_tokens": s["tokens"]}
                 for s in state if s["row"]["id"] not in errors]
         return done, list(errors.values())
+
+
+def token_groups(lengths: list[int], max_new: int, budget: int | None) -> list[list[int]]:
+    """The indices of one turn's prompts in the groups generated together: all of them, or with a
+    budget, cut (shortest prompts first, so that a group pads little) where a group's rows x (longest
+    prompt + max_new) would pass it; a prompt longer than the budget alone is a group of one. A pure
+    function of the lengths: a resumed batch is cut as its first run cut it."""
+    if budget is None:
+        return [list(range(len(lengths)))]
+    order = sorted(range(len(lengths)), key=lambda k: (lengths[k], k))
+    groups: list[list[int]] = []
+    for k in order:
+        if groups and (len(groups[-1]) + 1) * (lengths[k] + max_new) <= budget:
+            groups[-1].append(k)
+        else:
+            groups.append([k])
+    return groups
 
 
 def iter_batches(rows: Iterable[dict], size: int) -> Iterator[list[dict]]:

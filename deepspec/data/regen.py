@@ -80,6 +80,8 @@ def regen_fingerprint(cfg: RegenConfig, sampling: SamplingConfig, target_identit
              "disable_thinking": cfg.disable_thinking, "model": cfg.model}
     if cfg.backend == "local":  # the batch plan decides the floats, so it shapes the answers too
         shape["batch"] = cfg.concurrency
+        if cfg.batch_tokens is not None:
+            shape["batch_tokens"] = cfg.batch_tokens
         if compute is not None:
             shape["compute"] = compute
     return fingerprint(shape)

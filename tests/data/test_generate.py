@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deepspec.config import RegenConfig, SamplingConfig
-from deepspec.data.generate import RowSampler, batch_ranges, run_local
+from deepspec.data.generate import RowSampler, batch_ranges, run_local, token_groups
 from deepspec.data.journal import Journal
 from deepspec.data.regen import regen_fingerprint, reproducibility
 from deepspec.models.target import load_causal_lm
@@ -115,6 +115,59 @@ def test_a_resumed_run_and_a_grown_input_keep_every_other_rows_answer(generated,
     assert len(rows) - 4 * cfg.concurrency <= len(same) < len(rows)
     before = {r["id"]: r for r in first}
     assert all(json.dumps(r) == json.dumps(before[r["id"]]) for r in same)
+
+
+def test_token_groups_cut_a_turn_by_rows_times_padded_length():
+    lengths, new = [30, 5, 12, 5, 40, 7], 10
+    assert token_groups(lengths, new, None) == [[0, 1, 2, 3, 4, 5]]  # no budget: one batch, as given
+    groups = token_groups(lengths, new, 60)
+    assert sorted(k for g in groups for k in g) == list(range(len(lengths)))
+    assert [k for g in groups for k in g] == sorted(range(len(lengths)), key=lambda k: (lengths[k], k))
+    assert all(len(g) * (max(lengths[k] for k in g) + new) <= 60 or len(g) == 1 for g in groups)
+    assert groups == [[1, 3, 5], [2], [0], [4]]  # 3 x 17 = 51; 12 + 30 together would be 2 x 40
+    assert token_groups([100, 3], new, 20) == [[1], [0]]  # over the budget alone: a group of one
+    assert token_groups(lengths, new, 60) == groups
+
+
+def test_a_token_budget_cuts_every_generation_and_keeps_runs_reproducible(generated, trained_target, tmp_path):
+    rows, cfg, sampling, _ = generated
+    budget = RegenConfig(backend="local", concurrency=4, batch_tokens=80)
+    assert regen_fingerprint(budget, sampling, None) != regen_fingerprint(cfg, sampling, None)
+    shapes = []
+
+    def watched(device):
+        model = load_causal_lm(trained_target, device)
+        real = model.generate
+        model.generate = lambda **kw: shapes.append(tuple(kw["input_ids"].shape)) or real(**kw)
+        return model
+
+    runs = []
+    for k in range(2):
+        journal = Journal(tmp_path / f"j{k}", regen_fingerprint(budget, sampling, None))
+        ordered, errors = run_local(rows, trained_target, budget, sampling, journal, watched)
+        runs.append(json.dumps(list(ordered)))
+        journal.close()
+        assert errors == []
+    assert runs[0] == runs[1] and shapes
+    assert all(b * (t + sampling.max_tokens) <= 80 or b == 1 for b, t in shapes)
+    assert max(b for b, _ in shapes) > 1  # rows still share a generation
+
+
+def test_out_of_device_memory_says_how_to_cut_the_batches(trained_target, tmp_path):
+    sampling = SamplingConfig(max_tokens=12)
+    cfg = RegenConfig(backend="local", concurrency=4)
+
+    def oom(device):  # a device out of memory: no real component does it on demand
+        model = load_causal_lm(trained_target, device)
+        def generate(**kw):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        model.generate = generate
+        return model
+
+    journal = Journal(tmp_path / "j", regen_fingerprint(cfg, sampling, None))
+    with pytest.raises(RuntimeError, match=r"out of device memory generating \d+ rows .*set regen.batch_tokens"):
+        run_local(rows_of(SAMPLE_CONVERSATIONS[:8]), trained_target, cfg, sampling, journal, oom)
+    journal.close()
 
 
 def test_the_report_says_the_local_backend_is_reproducible():
