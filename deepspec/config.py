@@ -110,9 +110,7 @@ class RegenConfig:
     server_port: Annotated[Int, Field(ge=0, le=65535)] = 0
     server_start_timeout_s: Annotated[Float, Field(gt=0.0)] = 300.0
     api_key_env: Str = "OPENAI_API_KEY"
-    # sglang servers this stage launches run with --enable-deterministic-inference (slower, but the
-    # same params give the same answers, so the cache downstream is reused)
-    deterministic: Bool = True
+    deterministic: Bool = True  # launched sglang servers: --enable-deterministic-inference (slower; answers reused)
 
 
 @section
