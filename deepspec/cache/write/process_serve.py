@@ -3,14 +3,15 @@
     python -m deepspec.cache.write.process_serve <commands fd> <events fd>
 
 Messages in, in order: ("call", seq, method, args) runs "open" (CacheWriter's keyword arguments and
-the levels the computing process set on its loggers) or one of the writer's methods; ("buffer", id, size) followed by the buffer's
-descriptor, ("drop_buffer", id); ("part", PartData without states) opening a streamed part, then
-("batch", buffer id, keys, layout) per batch and ("end",) or ("drop",); ("whole", PartData);
-("exit",). Out: ("reply", seq, value) or ("raised", seq, exception) per call; ("free", buffer id)
-once a batch is copied out; ("committed", part name); ("failed", message) the first time the writer
-refuses a part; ("log", a log record's attributes), which the computing process's loggers handle as
-their own, so its handlers and levels apply. When the commands end without "exit" (the computing process died) the writer stops
-as CacheWriter.abort does, and the lease is released.
+the levels the computing process set on its loggers) or one of the writer's methods; ("buffer", id,
+size) followed by the buffer's descriptor, ("drop_buffer", id); ("part", PartData without states)
+opening a streamed part, then ("batch", buffer id, keys, layout) per batch and ("end",) or
+("drop",); ("whole", PartData); ("exit",). Out: ("reply", seq, value) or ("raised", seq, exception)
+per call; ("free", buffer id) once a batch is copied out; ("committed", part name); ("failed",
+message) the first time the writer refuses a part; ("log", a log record's attributes), which the
+computing process's loggers handle as their own, so its handlers and levels apply. When the
+commands end without "exit" (the computing process died) the writer stops as CacheWriter.abort
+does, and the lease is released.
 """
 from __future__ import annotations
 
