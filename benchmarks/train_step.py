@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from deepspec.cache.storage.naming import built_store_url
-from deepspec.config import load_params
+from deepspec.params import load_params
 from deepspec.loader.collate import collate
 from deepspec.loader.dataset import TargetCacheDataset
 from deepspec.loader.prefetch import Prefetcher

@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
 def _export(args) -> int:
     from pathlib import Path
 
-    from deepspec.config import ConfigError, load_params
+    from deepspec.config import ConfigError
+    from deepspec.params import load_params
     from deepspec.export import ExportError, export_draft, verifier_reference
 
     target = Path(args.target)

@@ -1,23 +1,20 @@
 """Typed view of params.yaml.
 
-Every section is a dataclass whose field types carry their bounds; `load_params` validates the
-file against them with pydantic (extra keys forbidden, no coercion of one type into another), so
-an unknown key, a wrong type or an out-of-range value fails with the file, the key path and the bad
-value before any stage does expensive work. Sections built in code (`SamplingConfig(max_tokens=8)`)
-are plain dataclasses and are not validated.
+Every section is a dataclass whose field types carry their bounds; `deepspec.params.load_params`
+validates the file against them with pydantic (extra keys forbidden, no coercion of one type into
+another), so an unknown key, a wrong type or an out-of-range value fails with the file, the key path
+and the bad value before any stage does expensive work. Sections built in code
+(`SamplingConfig(max_tokens=8)`) are plain dataclasses and are not validated.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import ConfigDict, Field, Strict, TypeAdapter, ValidationError
+from pydantic import ConfigDict, Field, Strict
 
 
 class ConfigError(ValueError):
@@ -300,119 +297,6 @@ class Params:
             cached = sorted(self.layers)
             return [cached[0], cached[len(cached) // 2], cached[-1]]
         return list(self.layers)
-
-
-# pydantic's error types, said the way this file's readers (and its tests) know them
-MESSAGES = {"int_type": "expected an integer", "float_type": "expected a number", "bool_type": "expected true/false",
-            "string_type": "expected a string", "list_type": "expected a list", "dict_type": "expected a mapping",
-            "dataclass_type": "expected a mapping"}
-BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"), "less_than_equal": ("le", "<="),
-          "less_than": ("lt", "<")}
-
-
-def _key_path(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part != "[key]":
-            out += f".{part}" if out else str(part)
-    return out
-
-
-def _section_at(loc: tuple) -> type:
-    """The type a key path leads to: a section's dataclass, or a leaf's type (lists, bounds, None stripped)."""
-    cls: Any = Params
-    for part in loc:
-        if isinstance(part, str) and dataclasses.is_dataclass(cls):
-            cls = typing.get_type_hints(cls)[part]
-        while typing.get_origin(cls) in (list, Annotated) or typing.get_origin(cls) is typing.Union:
-            cls = next(a for a in typing.get_args(cls) if a is not type(None))
-    return cls
-
-
-def _message(error: dict) -> str:
-    loc, kind, value = error["loc"], error["type"], error.get("input")
-    path = _key_path(loc)
-    if kind == "value_error":  # a section's own check (__post_init__): its message starts at the section
-        why = str(error["ctx"]["error"])
-        return f"{path}.{why}" if path else why
-    if kind == "unexpected_keyword_argument":
-        known = sorted(f.name for f in dataclasses.fields(_section_at(loc[:-1])))
-        return f"{path}: unknown key (known: {known})"
-    if kind in BOUNDS:
-        name, sym = BOUNDS[kind]
-        return f"{path}: must be {sym} {error['ctx'][name]}, got {value!r}"
-    if kind == "literal_error":
-        return f"{path}: {value!r} is not one of {list(typing.get_args(_section_at(loc)))}"
-    if kind in MESSAGES:
-        return f"{path or 'params'}: {MESSAGES[kind]}, got {value!r}"
-    return f"{path or 'params'}: {error['msg']}, got {value!r}"
-
-
-@functools.cache
-def _validator() -> TypeAdapter:
-    return TypeAdapter(Params)
-
-
-# keys of fsspec/s3fs/gcsfs/adlfs options (and of botocore's client kwargs) that carry a credential
-CREDENTIAL_KEYS = re.compile(r"(^|_)(key|secret|token|password|passwd|credentials?|account_key|sas_token|"
-                             r"connection_string|access_key_id|secret_access_key|session_token)$", re.IGNORECASE)
-NOT_CREDENTIALS = {"sse_kms_key_id", "ssekmskeyid"}  # names of keys that are not secrets themselves
-
-
-def _credentials(value: Any, path: str) -> list[str]:
-    found = []
-    if isinstance(value, dict):
-        for k, v in value.items():
-            where = f"{path}.{k}"
-            if isinstance(k, str) and CREDENTIAL_KEYS.search(k) and k.lower() not in NOT_CREDENTIALS and v:
-                found.append(where)
-            found += _credentials(v, where)
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            found += _credentials(v, f"{path}[{i}]")
-    return found
-
-
-def refuse_secrets(params: Params) -> None:
-    """params.yaml is committed and every stage's params are copied into dvc.lock: a credential there
-    ends up in git. Refused, with where it belongs instead."""
-    found = _credentials(params.cache.storage_options, "cache.storage_options") + \
-        _credentials(params.train.state_storage_options, "train.state_storage_options")
-    if found:
-        raise ConfigError(f"{', '.join(found)}: a credential in params.yaml would be committed (and copied into "
-                          "dvc.lock); set it in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
-                          "AWS_SESSION_TOKEN, or a profile: AWS_PROFILE) or for DVC in .dvc/config.local")
-    for i, url in enumerate(params.regen.urls):
-        if "@" in url.split("://", 1)[-1].split("/", 1)[0]:
-            raise ConfigError(f"regen.urls[{i}]: user info in a server URL would be committed (and copied into "
-                              f"dvc.lock); put the key in the environment variable regen.api_key_env names "
-                              f"({params.regen.api_key_env})")
-
-
-def params_from_dict(raw: Any) -> Params:
-    try:
-        params = _validator().validate_python({} if raw is None else raw)
-    except ValidationError as e:
-        messages = [_message(err) for err in e.errors()]
-        raise ConfigError("; ".join(messages)) from None
-    refuse_secrets(params)
-    return params
-
-
-def load_params(path: str | Path = "params.yaml") -> Params:
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: file not found") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    try:
-        return params_from_dict(raw)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
 
 
 def to_dict(obj: Any) -> Any:

@@ -7,7 +7,8 @@ import os
 import sys
 from typing import Callable
 
-from deepspec.config import ConfigError, Params, load_params
+from deepspec.config import ConfigError, Params
+from deepspec.params import load_params
 from deepspec.progress import quiet_library_bars
 
 

@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deepspec.config import ConfigError, ExportConfig, TrainConfig, load_params, params_from_dict
+from deepspec.config import ConfigError, ExportConfig, TrainConfig
+from deepspec.params import load_params, params_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -216,7 +216,7 @@ def test_a_read_through_sampling_experiment_regenerates_and_fills_the_store_in_t
     # no forward there), and train computes every part before it reads it. The offline cache stage
     # following such a change is tests/cache/test_content_keys.py's (a real `dvc repro` of the stage).
     from deepspec.cache.build.stage import build_cache
-    from deepspec.config import load_params
+    from deepspec.params import load_params
     from tests.cache.test_derive import manifest, store_files
 
     def answers() -> dict:

@@ -175,7 +175,7 @@ class Walk:
 
 
 def apply_params(repo: Path, recipe: dict) -> None:
-    from deepspec.config import params_from_dict
+    from deepspec.params import params_from_dict
 
     params = yaml.safe_load((repo / "params.yaml").read_text())
     for section, values in recipe.items():

@@ -367,7 +367,7 @@ def test_journal_line_corrupt_mid_file_is_an_error_naming_file_and_line(tmp_path
 
 
 def test_stage_reports_a_corrupt_journal_without_a_traceback(tmp_path):
-    from deepspec.config import load_params
+    from deepspec.params import load_params
     from deepspec.data.regen import regen_fingerprint
     from deepspec.devices import local_device
     from deepspec.models.target import compute_dtype

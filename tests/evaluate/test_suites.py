@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-from deepspec.config import ConfigError, EvalConfig, SuiteConfig, params_from_dict
+from deepspec.config import ConfigError, EvalConfig, SuiteConfig
+from deepspec.params import params_from_dict
 from deepspec.evaluate import suites
 from deepspec.evaluate.suites import PromptError, load_suite
 
