@@ -298,14 +298,15 @@ def eagle3_loss(model: Eagle3Model, batch: dict, ce_w: float, l1_w: float, decay
         mask = torch.cat([causal] + [diag] * k, dim=1)
         h, kv = model.step(tokens, h, pos + k, mask, past)
         past.append(kv)
-        sel = valid[:, :, k]
-        if not sel.any():
+        # the step's supervised rows, found once (its one read-back: the count decides the chunks); every
+        # selection below gathers by them
+        b_idx, t_idx = valid[:, :, k].nonzero(as_tuple=True)
+        if len(b_idx) == 0:
             continue
-        b_idx, t_idx = sel.nonzero(as_tuple=True)
         labels = t2d_index[ids[b_idx, t_idx + 2 + k]]                                # draft index, -1 outside
         target_h = batch["last_hidden"][b_idx, t_idx + 1 + k].to(head_dtype)
-        wk = w[:, :, k][sel]
-        head_rows, l1_all, agree_all = h[sel], [], []
+        wk = w[b_idx, t_idx, k]
+        head_rows, l1_all, agree_all = h[b_idx, t_idx], [], []
         for a in range(0, len(labels), TARGET_CHUNK_ROWS):
             # a chunk's [rows, V] target and [rows, Vd] draft distributions exist only while it is
             # computed; backward recomputes the draft's (checkpoint), and the target's unless kept
@@ -320,8 +321,8 @@ def eagle3_loss(model: Eagle3Model, batch: dict, ce_w: float, l1_w: float, decay
             l1_all.append(l1_rows)
             agree_all.append(agree_rows)
         with torch.no_grad():
-            agree[:, :, k][sel] = torch.cat(agree_all)
-            alpha_full[:, :, k][sel] = (1 - 0.5 * torch.cat(l1_all)).clamp(0, 1)
+            agree[b_idx, t_idx, k] = torch.cat(agree_all)
+            alpha_full[b_idx, t_idx, k] = (1 - 0.5 * torch.cat(l1_all)).clamp(0, 1)
     if not loss.requires_grad and torch.is_grad_enabled():
         # no row of this micro-batch is supervised: a zero loss that still reaches every trainable
         # parameter, so its backward (and DDP's reduction with the other ranks) runs as for any batch
@@ -332,6 +333,6 @@ def eagle3_loss(model: Eagle3Model, batch: dict, ce_w: float, l1_w: float, decay
         rows = valid[:, :, 0]
         metrics["tau_prob"] = 1 + masked_mean(torch.cumprod(alpha_full, 2).sum(-1), rows)
         metrics["tau_greedy"] = 1 + masked_mean(torch.cumprod(agree.float(), 2).sum(-1), rows)
-        for k in range(K):
-            metrics[f"acc@{k}"] = masked_mean(agree[:, :, k].float(), valid[:, :, k])
+        acc = (agree & valid).sum((0, 1)).float() / valid.sum((0, 1))  # exact sums of 0/1, as one step at a time
+        metrics.update({f"acc@{k}": acc[k] for k in range(K)})
     return LossOutput(loss, metrics)

@@ -139,11 +139,14 @@ def draft_loss(model, batch: dict, anchors: Anchors, ce_w: float, l1_w: float, c
     total = w.sum() if norm is None else torch.as_tensor(norm, device=w.device)
     total = total.clamp_min(1e-6)
 
-    sel = valid                                                                     # [B, N, D]
-    h_sel, prev_sel, lab_sel, w_sel = h[sel], prev[sel], labels[sel], w[sel]
+    # the supervised slots as flat indices, found once: the one read-back of a micro-batch (their count
+    # decides the shapes that follow); each selection below is a gather by them, no further read
+    flat = valid.flatten().nonzero().squeeze(1)                                     # [M]
+    h_sel = h.reshape(B * N * d, -1)[flat]
+    prev_sel, lab_sel, w_sel = prev.flatten()[flat], labels.flatten()[flat], w.flatten()[flat]
     draft_logits = model.logits(h_sel, prev_sel)                                    # [M, V] fp32
-    tgt_pos = (label_pos - 1)[sel]                                                  # a + j
-    b_idx = torch.arange(B, device=ids.device)[:, None, None].expand(B, N, d)[sel]
+    tgt_pos = (label_pos - 1).flatten()[flat]                                       # a + j
+    b_idx = flat // (N * d)
     with torch.no_grad():
         target_logits = model.lm_head(batch["last_hidden"][b_idx, tgt_pos].to(dtype)).float()
         p_target = target_logits.softmax(-1)
@@ -155,7 +158,7 @@ def draft_loss(model, batch: dict, anchors: Anchors, ce_w: float, l1_w: float, c
     with torch.no_grad():
         denom = total.double()
         metrics = {"ce": (ce * w_sel).sum().double() / denom, "l1": (l1 * w_sel).sum().double() / denom,
-                   "supervised_slots": sel.sum(), "weight": w.sum()}
+                   "supervised_slots": valid.sum(), "weight": w.sum()}
     conf = model.confidence(h_sel, prev_sel)
     if conf is not None:
         bce = F.binary_cross_entropy_with_logits(conf, alpha, reduction="none")
@@ -163,14 +166,14 @@ def draft_loss(model, batch: dict, anchors: Anchors, ce_w: float, l1_w: float, c
         metrics["conf"] = (bce.detach() * w_sel).sum().double() / denom
     with torch.no_grad():
         # acceptance estimates per slot: alpha (probabilistic), argmax agreement (greedy)
-        full_alpha = torch.zeros(B, N, d, device=ids.device)
-        full_alpha[sel] = alpha
-        agree = torch.zeros(B, N, d, dtype=torch.bool, device=ids.device)
-        agree[sel] = draft_logits.argmax(-1) == target_logits.argmax(-1)
+        full_alpha = torch.zeros(B * N * d, device=ids.device).index_put_((flat,), alpha).view(B, N, d)
+        agree = torch.zeros(B * N * d, dtype=torch.bool, device=ids.device).index_put_(
+            (flat,), draft_logits.argmax(-1) == target_logits.argmax(-1)).view(B, N, d)
         blocks = valid[:, :, 0]
         metrics["tau_prob"] = 1 + masked_mean(torch.cumprod(full_alpha, dim=2).sum(-1), blocks)
         metrics["tau_greedy"] = 1 + masked_mean(torch.cumprod(agree.float(), dim=2).sum(-1), blocks)
-        for j in range(d):
-            metrics[f"acc@{j}"] = masked_mean(agree[:, :, j].float(), valid[:, :, j])
+        # every slot's rate at once (sums of 0/1 are exact: the same values as one slot at a time)
+        acc = (agree & valid).sum((0, 1)).float() / valid.sum((0, 1))
+        metrics.update({f"acc@{j}": acc[j] for j in range(d)})
         metrics["loss"] = loss.detach()
     return LossOutput(loss, metrics)

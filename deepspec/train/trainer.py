@@ -39,6 +39,14 @@ log = logging.getLogger(__name__)
 LOSS_TERMS = ("loss", "ce", "l1", "conf")
 
 
+def adamw_kernels(device: torch.device) -> dict:
+    """AdamW's implementation: a few kernels for all parameters at once instead of a few per parameter.
+    Fused on CUDA (one kernel per group of tensors; its own rounding, so its bits differ from the
+    foreach path's); foreach elsewhere (on the CPU bit for bit the per-parameter loop, which also read
+    each parameter's step count back to the host)."""
+    return {"fused": True} if device.type == "cuda" else {"foreach": True}
+
+
 class TrainError(ValueError):
     """A run that cannot start as configured (no batch for some rank, settings past a stated bound)."""
 
@@ -75,7 +83,8 @@ class Trainer:
         self.final_metrics: dict = {}     # that is resumed reports the same final numbers)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                                           **adamw_kernels(self.device))
         self.sampler = ResumableBatchSampler(dataset.lengths(), batch_size=cfg.batch_size, seed=cfg.seed,
                                              rank=rank, world_size=world_size, window_parts=cfg.window_parts,
                                              parts=dataset.sample_parts() if cfg.window_parts else None)
@@ -314,8 +323,7 @@ class Trainer:
         # one micro-batch whatever grad_accum is. The loss of a step is normalised by the global batch's
         # weight, known only after the last one: each backward runs on the unnormalised sum and the
         # accumulated gradients are divided once at the end (the gradient is linear in that factor).
-        sums: dict = {}    # loss terms add up over micro-batches; rates average over them
-        seen: dict = {}    # per rate: micro-batches that measured it (a rate over nothing is NaN)
+        terms = rates = seen = None  # [k] float64 on the device: loss terms add up, rates average
         local_weight = torch.zeros((), dtype=torch.float64, device=self.device)
         for m in range(cfg.grad_accum):
             t = time.perf_counter()
@@ -330,41 +338,44 @@ class Trainer:
                                   cfg.decay_gamma, norm=1.0)
                 out.loss.backward()
             local_weight = local_weight + out.metrics["weight"].double()  # this micro-batch's sum of loss weights
-            for k, v in out.metrics.items():
-                v = v.double()
-                if k in LOSS_TERMS:
-                    sums[k] = sums.get(k, 0.0) + v
-                    continue
-                measured = ~torch.isnan(v)
-                sums[k] = sums.get(k, 0.0) + torch.where(measured, v, 0.0) / cfg.grad_accum
-                seen[k] = seen.get(k, 0) + measured
+            # each kind in one vector (stack promotes every value to float64), so a micro-batch's
+            # bookkeeping is a few ops whatever the number of metrics
+            order = list(out.metrics)
+            term_names = [k for k in order if k in LOSS_TERMS]
+            rate_names = [k for k in order if k not in LOSS_TERMS]
+            vt = torch.stack([out.metrics[k] for k in term_names]).double()
+            vr = torch.stack([out.metrics[k] for k in rate_names]).double()
+            measured = ~torch.isnan(vr)  # a rate over nothing (NaN) does not count
+            vr = torch.where(measured, vr, 0.0)
+            terms, rates, seen = (vt, vr, measured.double()) if terms is None else \
+                (terms + vt, rates + vr, seen + measured)
             self.state.tokens += int(batch["tokens"])  # counted on the host by the collator
             del batch, anchors, out
         # DDP averaged the gradients over ranks: the global sum over the global weight is that mean
         # times world / weight
         scale = self.world_size / self._global_weight(local_weight).clamp_min(1e-6)
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
-        sums = {k: v * scale if k in LOSS_TERMS else v for k, v in sums.items()}
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip) if cfg.grad_clip > 0 \
+        grads = [p.grad for p in self.params if p.grad is not None]
+        torch._foreach_mul_(grads, scale)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip, foreach=True) if cfg.grad_clip > 0 \
             else torch.zeros((), device=self.device)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
-        metrics = self._read_metrics(dict(sums, grad_norm=grad_norm), seen)
+        # a rate is the mean over the micro-batches that measured it
+        values = torch.cat([terms * scale, rates / seen.clamp_min(1), grad_norm.double()[None]])
+        metrics = self._read_metrics([*term_names, *rate_names, "grad_norm"], values, seen, rate_names)
+        metrics = {k: metrics[k] for k in [*order, "grad_norm"] if k in metrics}  # in the loss's order
         return dict(metrics, lr=lr, step=self.state.step)
 
     # logged as the mean over ranks (each rank's loss terms are normalised by the global weight divided by
     # the world size, so their rank mean is exactly the global batch's value); the rest are this rank's
     REDUCED = ("loss", "ce", "l1", "conf", "tau_greedy", "tau_prob")
 
-    def _read_metrics(self, values: dict, seen: dict) -> dict:
-        """{name: float} of a step's device tensors, in one device-to-host copy (with one all_reduce
-        first under DDP). A rate no micro-batch of this rank measured is left out."""
-        keys = list(values)
-        local = torch.stack([torch.as_tensor(values[k], dtype=torch.float64, device=self.device) for k in keys]
-                            + [torch.as_tensor(seen[k], dtype=torch.float64, device=self.device) for k in seen])
+    def _read_metrics(self, names: list[str], values: torch.Tensor, seen: torch.Tensor, rates: list[str]) -> dict:
+        """{name: float} of a step's metrics (`values`, one per name, on the device), in one
+        device-to-host copy (with one all_reduce first under DDP). A rate (`rates`, counted in `seen`)
+        that no micro-batch of this rank measured is left out."""
+        local = torch.cat([values, seen])
         rows = local[None]
         if self.world_size > 1:
             total = local.clone()
@@ -372,5 +383,5 @@ class Trainer:
             rows = torch.stack([local, total / self.world_size])
         read = rows.tolist()  # the step's one read-back
         mine, mean = read[0], read[-1]
-        counts = dict(zip(seen, mine[len(keys):]))
-        return {k: (mean if k in self.REDUCED else mine)[i] for i, k in enumerate(keys) if counts.get(k, 1) > 0}
+        counts = dict(zip(rates, mine[len(names):]))
+        return {k: (mean if k in self.REDUCED else mine)[i] for i, k in enumerate(names) if counts.get(k, 1) > 0}

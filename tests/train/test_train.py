@@ -359,7 +359,8 @@ def test_eagle3_training_unrolls_ttt_steps_on_every_supervised_position(small_ca
 
 
 def test_eagle3_layers_default_and_must_be_three():
-    from deepspec.config import ConfigError, params_from_dict
+    from deepspec.config import ConfigError
+    from deepspec.params import params_from_dict
 
     p = params_from_dict({"train": {"algorithm": "eagle3"}})
     assert p.train_layers == [1, 17, 33]                  # lowest, middle, highest of [1, 9, 17, 25, 33]
@@ -527,6 +528,41 @@ def test_a_steps_metrics_leave_the_device_once_per_optimizer_step(tmp_path, smal
         metrics = [trainer.step(batches) for _ in range(cfg.steps)]
     assert mode.sites == [] and len(reads) == cfg.steps
     assert all(isinstance(m["loss"], float) and m["tau_greedy"] >= 1.0 for m in metrics)
+
+
+class DataDependentReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops whose output size the host must read back from the device before it can go on
+    (`nonzero`, and indexing or assigning through a bool mask, which runs a nonzero inside)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        masks = args[1] if name in ("index", "index_put", "index_put_") and len(args) > 1 else ()
+        if name in ("nonzero", "masked_select") or any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                                      for i in masks if i is not None):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("algorithm", ["dspark", "eagle3"])
+def test_a_micro_batch_finds_its_supervised_rows_with_one_read_back(tmp_path, small_cache, trained_target, algorithm):
+    """Each selection of supervised rows gathers by indices found once (DSpark: once per micro-batch;
+    EAGLE-3: once per chain step), not through a bool mask per tensor, each a device sync on CUDA."""
+    from deepspec.models.objectives import anchor_generator, sample_anchors
+    from deepspec.train.run import build_trainer
+
+    cfg = TrainConfig(**dict(FAST, algorithm=algorithm, draft_vocab_size=64))
+    layers = [-1, 0, 2]
+    trainer = build_trainer(cfg, layers, str(small_cache), trained_target, tmp_path / "out", tmp_path / "state")
+    batch = next(trainer.batches())
+    anchors = sample_anchors(batch["loss_mask"], batch["lengths"], cfg.anchors_per_sample, anchor_generator(0, 0, 0, 0))
+    with DataDependentReads() as reads:
+        out = trainer.module(batch, anchors, cfg.ce_weight, cfg.l1_weight, cfg.conf_weight, cfg.decay_gamma)
+        out.loss.backward()
+    assert reads.count == (1 if algorithm == "dspark" else cfg.ttt_steps)
 
 
 class LoadLog:
