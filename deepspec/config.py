@@ -177,6 +177,10 @@ class TrainConfig:
     checkpoint_every: Annotated[Int, Field(ge=1)] = 500
     keep_checkpoints: Annotated[Int, Field(ge=1)] = 2
     num_workers: Annotated[Int, Field(ge=0)] = 0
+    # torch.compile the draft's training forward and loss (deepspec/train/compiled.py); auto = on CUDA,
+    # where small steps are bound by kernel launches, off on the CPU, where a run must last long enough to
+    # earn the compile back (benchmarks/compile_step.py)
+    compile: Bool | Literal["auto"] = "auto"
     # cache on S3: byte-range requests the loader keeps in flight (a batch's arrays, cut to 4 MB)
     read_ahead: Annotated[Int, Field(ge=1)] = 16
     # cache on S3: a local directory the parts' arrays are downloaded into whole, each once, and read

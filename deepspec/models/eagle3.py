@@ -100,18 +100,27 @@ class Eagle3Layer(nn.Module):
                 past: list[tuple[torch.Tensor, torch.Tensor]] = ()):
         """emb, hidden: [B, Q, H]; past: earlier (k, v) blocks this step attends to (mask columns in
         that order, then its own). Returns (output [B, Q, H], its own (k, v))."""
+        q, k, v = self.attention_inputs(emb, hidden, *rope)
+        keys = torch.cat([*(p[0] for p in past), k], dim=2)
+        values = torch.cat([*(p[1] for p in past), v], dim=2)
+        out = attend(q, keys, values, mask, self.head_dim ** -0.5, self.num_heads != self.num_kv_heads)
+        return self.attention_output(hidden, out), (k, v)
+
+    # the two halves around the attention (train.compile compiles each: neither depends on how many
+    # earlier blocks the step attends to)
+    def attention_inputs(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         a = self.self_attn
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
         shape = (*x.shape[:-1], -1, self.head_dim)
         q = a.q_proj(x).view(shape).transpose(1, 2)
         k = a.k_proj(x).view(shape).transpose(1, 2)
         v = a.v_proj(x).view(shape).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, *rope)
-        keys = torch.cat([*(p[0] for p in past), k], dim=2)
-        values = torch.cat([*(p[1] for p in past), v], dim=2)
-        out = attend(q, keys, values, mask, self.head_dim ** -0.5, self.num_heads != self.num_kv_heads)
-        h = hidden + a.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:-1], -1))
-        return h + self.mlp(self.post_attention_layernorm(h)), (k, v)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def attention_output(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        h = hidden + self.self_attn.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:-1], -1))
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Eagle3Model(nn.Module):

@@ -20,6 +20,7 @@ from deepspec.models.draft import DraftConfig, DraftModel
 from deepspec.models.registry import ALGORITHMS
 from deepspec.models.target import embedding_weights, load_identity, target_embeddings
 from deepspec.train.callbacks import DvcLiveMetrics, JsonMetrics, ProgressBar
+from deepspec.train.compiled import compiles
 from deepspec.train.state_dir import StateDir
 from deepspec.train.trainer import Trainer
 
@@ -134,7 +135,7 @@ def new_draft(cfg: TrainConfig, layers: list[int], target_dir: Path, vocab_count
 # one is refused, see Trainer.restore).
 RESUME_NEUTRAL = ("steps", "checkpoint_every", "keep_checkpoints", "num_workers", "read_ahead", "mirror", "mirror_gb",
                   "state_url", "state_storage_options", "threads", "launcher", "layers", "collective_timeout_s",
-                  "capture", "capture_ranks")
+                  "capture", "capture_ranks", "compile")
 
 
 def distinct_token_ids(dataset) -> np.ndarray:
@@ -151,10 +152,15 @@ def distinct_token_ids(dataset) -> np.ndarray:
     return np.flatnonzero(seen)
 
 
-def resume_fingerprint(cfg: TrainConfig, layers: list[int], target_id: str, manifest: dict) -> str:
+def resume_fingerprint(cfg: TrainConfig, layers: list[int], target_id: str, manifest: dict,
+                       compiled: bool = False) -> str:
     """Checkpoints resume only into a run with the same fingerprint: same trajectory settings, draft
-    input layers, target and cache content."""
+    input layers, target and cache content. `compiled`: train.compile as resolved for the device; a
+    compiled step rounds differently from an eager one, so it counts (and only when on, so that an eager
+    run's fingerprint is what it was before the setting existed)."""
     trajectory = {k: v for k, v in to_dict(cfg).items() if k not in RESUME_NEUTRAL}
+    if compiled:
+        trajectory["compiled"] = True
     # a part as the plan names it (a read-through run's planned manifest has no HDF5 chunk-table position)
     parts = [[p["name"], p["samples"], p["tokens"]] for p in manifest["parts"]]
     return fingerprint({"train": trajectory, "layers": layers, "target": target_id,
@@ -212,7 +218,7 @@ def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_di
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=False,
             broadcast_buffers=False, process_group=group)
-    fp = resume_fingerprint(cfg, layers, identity["id"], dataset.manifest)
+    fp = resume_fingerprint(cfg, layers, identity["id"], dataset.manifest, compiles(cfg.compile, device))
     # dvclive starts a fresh curve unless the trainer resumes (then it keeps the steps up to the checkpoint)
     callbacks = [ProgressBar(), DvcLiveMetrics(out_dir / "live"), JsonMetrics(out_dir / "metrics.json")]
     trainer = Trainer(model, dataset, cfg, state_dir, fp, callbacks, rank, world, device, ddp, group)

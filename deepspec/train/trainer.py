@@ -32,6 +32,7 @@ from deepspec.train.checkpoint import (CheckpointError, check_model_state, check
                                        save_checkpoint, set_aside_stale, set_rng_state, steps_beyond,
                                        valid_checkpoints)
 from deepspec.models.objectives import anchor_generator, anchor_key, sample_anchors
+from deepspec.train.compiled import compile_draft, compiles
 from deepspec.train.state_dir import StateDir, as_state
 from deepspec.train.schedule import lr_factor
 
@@ -95,6 +96,9 @@ class Trainer:
             raise TrainError(f"train.seed={cfg.seed}, train.steps={cfg.steps}, train.grad_accum={cfg.grad_accum}, "
                              f"world size {world_size}: {e}") from None
         self.autocast = self.device.type == "cuda"
+        self.compiled = compiles(cfg.compile, self.device)
+        if self.compiled:  # in place: a DDP wrapper calls the compiled forward too
+            compile_draft(model)
 
     def _check_batches(self) -> None:
         """Every rank needs a batch in every epoch, or the batch loop below never yields."""

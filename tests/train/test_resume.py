@@ -25,10 +25,11 @@ from tests.conftest import REPO, project_env
 from tests.train.test_train import FAST, _stage_dir, losses, train
 
 # settings that change how a run is executed or how far it goes, not the trajectory it follows
-# (`layers` counts through the resolved layer list, passed on its own)
+# (`layers` counts through the resolved layer list, passed on its own; `compile` through whether it
+# compiles on the run's device, passed on its own)
 RESUME_NEUTRAL = {"steps", "checkpoint_every", "keep_checkpoints", "num_workers", "read_ahead", "mirror", "mirror_gb",
                   "state_url", "state_storage_options", "threads", "launcher",
-                  "layers", "collective_timeout_s", "capture", "capture_ranks"}
+                  "layers", "collective_timeout_s", "capture", "capture_ranks", "compile"}
 
 
 def _other(name: str, value, tp):
@@ -64,6 +65,7 @@ def test_resume_fingerprint_covers_exactly_what_changes_the_trajectory():
         same = resume_fingerprint(changed, [0, 2], "target-a", manifest) == fp
         assert same == (f.name in RESUME_NEUTRAL), f"train.{f.name}: fingerprint {'un' if same else ''}changed"
     assert resume_fingerprint(base, [0, 1], "target-a", manifest) != fp
+    assert resume_fingerprint(base, [0, 2], "target-a", manifest, compiled=True) != fp
     assert resume_fingerprint(base, [0, 2], "target-b", manifest) != fp
     assert resume_fingerprint(base, [0, 2], "target-a", dict(manifest, parts=[{"name": "p0", "samples": 11, "tokens": 400}])) != fp
     # a planned part (read-through) and the same part committed in an HDF5 store resume into each other
