@@ -59,11 +59,11 @@ def _unpack(buffer: torch.Tensor, specs: list, plain: dict, order: list[str]) ->
     return {k: views[k] if k in views else plain[k] for k in order}
 
 
-def _read(reader: CacheReader, indices: list[int], layers: list, fields: tuple[str, ...]):
+def _read(reader: CacheReader, indices: list[int], layers: list, fields: tuple[str, ...], multiple: int = 1):
     r, H = reader, int(reader.manifest.hidden_size)
     located = [r.locate(i) for i in indices]
     sizes = [stop - start for _, start, stop in located]
-    B, T = len(indices), max(sizes)
+    B, T = len(indices), -(-max(sizes) // multiple) * multiple
     wanted = {f: w for f, w in (("hidden", list(layers)), ("last_hidden", ["last"])) if f in fields}
     shapes = [("lengths", torch.int64, (B,))]
     shapes += [(f, dtype, (B, T)) for f, dtype in (("input_ids", torch.int32), ("loss_mask", torch.uint8)) if f in fields]
@@ -96,24 +96,28 @@ def _read(reader: CacheReader, indices: list[int], layers: list, fields: tuple[s
     return buffer, specs, plain, order
 
 
-def read_batch(reader: CacheReader, indices: list[int], layers: list, fields: tuple[str, ...] = FIELDS) -> dict:
+def read_batch(reader: CacheReader, indices: list[int], layers: list, fields: tuple[str, ...] = FIELDS,
+               multiple: int = 1) -> dict:
     """Samples `indices` as one right-padded batch (collate.collate's layout: hidden [B, T, L*H],
-    token-major, the layers side by side), every array's checks settled before it returns."""
-    return _unpack(*_read(reader, indices, layers, fields))
+    token-major, the layers side by side), every array's checks settled before it returns. `multiple`:
+    T is the longest row rounded up to a multiple of it (zeros after every row, as for the shorter rows)."""
+    return _unpack(*_read(reader, indices, layers, fields, multiple))
 
 
 class Batches(Dataset):
     """A dataset's batches by index list: `Batches(ds)[indices] == collate([ds[i] for i in indices])`,
     read with read_batch; inside a DataLoader worker, handed over as a SharedBatch. `ds` is a
-    loader.dataset.TargetCacheDataset."""
+    loader.dataset.TargetCacheDataset. `multiple`: each batch's token axis padded to a multiple of it
+    (read_batch), so that the shapes a trainer meets repeat."""
 
-    def __init__(self, dataset):
+    def __init__(self, dataset, multiple: int = 1):
         self.dataset = dataset
+        self.multiple = multiple
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, indices: list[int]):
         ds = self.dataset
-        parts = _read(ds.reader_here(), list(indices), ds.layers, ds.fields)
+        parts = _read(ds.reader_here(), list(indices), ds.layers, ds.fields, self.multiple)
         return SharedBatch(*parts) if get_worker_info() is not None else _unpack(*parts)

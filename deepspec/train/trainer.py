@@ -31,6 +31,7 @@ from deepspec.train.checkpoint import (CheckpointError, check_model_state, check
                                        load_optimizer_tensors, optimizer_tensors, read_stored, rng_state,
                                        save_checkpoint, set_aside_stale, set_rng_state, steps_beyond,
                                        valid_checkpoints)
+from deepspec.models.attention import kv_multiple
 from deepspec.models.objectives import anchor_generator, anchor_key, sample_anchors
 from deepspec.train.compiled import compile_draft, compiles
 from deepspec.train.state_dir import StateDir, as_state
@@ -266,8 +267,12 @@ class Trainer:
             self.sampler.set_epoch(self.state.epoch)
             self.sampler.position = self.state.position
             self._check_batches()  # an epoch with no batch would loop here forever
-            # each batch read straight into its collated layout (loader/batches.py): one copy a byte
-            loader = DataLoader(Batches(self.dataset), sampler=self.sampler, batch_size=None,
+            # each batch read straight into its collated layout (loader/batches.py): one copy a byte. On
+            # CUDA its token axis is padded to the attention's key multiple: every new shape costs host
+            # time there (cuBLAS's and cuDNN's per-shape set-up, new allocator blocks), and padded the
+            # shapes repeat after a few batches; padded positions lie past each row's length, where
+            # nothing attends to them or is supervised
+            loader = DataLoader(Batches(self.dataset, kv_multiple(self.device)), sampler=self.sampler, batch_size=None,
                                 num_workers=self.cfg.num_workers, pin_memory=self.device.type == "cuda",
                                 persistent_workers=False,
                                 multiprocessing_context=self.loader_context() if self.cfg.num_workers else None)

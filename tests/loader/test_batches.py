@@ -69,6 +69,21 @@ def test_a_batch_read_in_place_equals_the_collated_samples(tmp_path, garbage, dt
         assert_same_batch(Batches(ds)[[5, 2]], collate([ds[5], ds[2]]))
 
 
+def test_a_batch_padded_to_a_multiple_is_the_collated_samples_then_zeros(tmp_path, garbage):
+    """What a CUDA trainer reads (Batches(ds, multiple)): the token axis rounded up, every row's tail zero."""
+    ds = TargetCacheDataset(write_store(str(tmp_path / "c.zarr"), synthetic_parts()))
+    for indices in INDEX_LISTS:
+        want = collate([ds[i] for i in indices])
+        got = Batches(ds, multiple=64)[indices]
+        T = want["input_ids"].shape[1]
+        assert got["input_ids"].shape[1] == -(-T // 64) * 64 > 0
+        for k, v in want.items():
+            if isinstance(v, torch.Tensor) and v.ndim >= 2:
+                assert torch.equal(bits(got[k][:, :T]), bits(v)) and not bits(got[k][:, T:]).any(), k
+            else:
+                assert (torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v), k
+
+
 def test_a_batch_from_s3_equals_the_collated_samples(tmp_path, moto, garbage):
     bucket = moto.bucket("batches")
     parts = synthetic_parts(parts=2)
