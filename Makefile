@@ -23,7 +23,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup repro test test-fast lock clean-venv embedded-target gpu-wheels gpu-check benchmarks-doc benchmark-embedded peers-site
+.PHONY: setup repro test test-fast lock clean-venv embedded-target gpu-wheels gpu-site gpu-check gpu-goals benchmarks-doc benchmark-embedded peers-site
 
 setup: $(STAMP) $(PLOTS_TEMPLATE)
 
@@ -100,15 +100,23 @@ gpu-wheels:
 	  --python-version $(GPU_PY) --implementation cp $(GPU_PLATFORMS) -d $(GPU_WHEELS) $(GPU_PACKAGES)
 	@du -sh $(GPU_WHEELS)
 
+# `make gpu-goals` (benchmarks/gpu_goals.py): where the GPU seconds go, each ratio beside its goal (capture
+# vs a plain forward, write-back, compiled vs eager, loader vs resident, read-through equal to offline), the
+# same way: wheels installed, then the script; CPU=1 runs it on the CPU (make test runs that).
 ifeq ($(CPU),1)
 gpu-check: setup
 	$(PY) benchmarks/gpu_check.py --cpu $(if $(OUT),--out $(OUT))
+gpu-goals: setup
+	$(PY) benchmarks/gpu_goals.py --cpu $(if $(OUT),--out $(OUT))
 else
-gpu-check:
-	@test -d $(GPU_WHEELS) || { echo "make gpu-check: no $(GPU_WHEELS)/ (run 'make gpu-wheels' where there is network)"; exit 2; }
+gpu-site:
+	@test -d $(GPU_WHEELS) || { echo "make $(MAKECMDGOALS): no $(GPU_WHEELS)/ (run 'make gpu-wheels' where there is network)"; exit 2; }
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-index --no-deps --no-compile --upgrade \
 	  --target $(GPU_SITE) $(GPU_WHEELS)/*.whl
+gpu-check: gpu-site
 	PYTHONPATH=$(CURDIR)/$(GPU_SITE) $(PYTHON) benchmarks/gpu_check.py --out $(or $(OUT),gpu-check-out) $(GPU_CHECK_ARGS)
+gpu-goals: gpu-site
+	PYTHONPATH=$(CURDIR)/$(GPU_SITE) $(PYTHON) benchmarks/gpu_goals.py --out $(or $(OUT),gpu-goals-out) $(GPU_GOALS_ARGS)
 endif
 
 # docs/benchmarks.md is generated: each measured number there was printed by a recorded run
