@@ -147,6 +147,7 @@ def check_cache(work: Path, target: Path, layers: list[int], rows: list[dict], s
     from deepspec.cache.spec.format import decode_hidden
     from deepspec.cache.build.regen_rows import EncodeRules, encode_rows
     from deepspec.config import CacheConfig
+    from deepspec.devices import landed
 
     regen = work / "regen.jsonl"
     regen.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -165,9 +166,9 @@ def check_cache(work: Path, target: Path, layers: list[int], rows: list[dict], s
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     tokens = sum(len(s.input_ids) for s in samples)
 
-    def capture():
-        for batch in forward_batches(model, samples, layers, size["batch_tokens"], pad, device):
-            batch.result()  # the host copies landed
+    def capture():  # every host copy landed, each waited for while the next batches compute (as the writer does)
+        for _ in landed(forward_batches(model, samples, layers, size["batch_tokens"], pad, device)):
+            pass
 
     @torch.no_grad()
     def plain():  # the same batches, padded and copied the same way, with no hooks, encoding or copies back

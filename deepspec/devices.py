@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import torch
@@ -97,6 +98,20 @@ class HostBatch:
                 self._event.synchronize()
             self._event = None
         return {k: _map(lambda t: t.numpy(), v) for k, v in self._tensors.items()}
+
+
+def landed(batches, ahead: int = 2):
+    """The results of HostBatches as they are drawn from `batches`, each waited for only once `ahead`
+    later ones were queued: the wait for a batch's copies then overlaps the next forward passes (as a
+    writer's thread waiting beside the compute does), where waiting for each as it is yielded would hold
+    the next forward until the copies landed."""
+    pending = collections.deque()
+    for batch in batches:
+        pending.append(batch)
+        if len(pending) > ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
 
 
 def _map(fn, value):

@@ -305,6 +305,30 @@ def test_host_copies_are_waited_for_on_the_writer_thread_not_the_computing_one()
     assert np.array_equal(got[0]["hidden/0"], x.to(torch.bfloat16).view(torch.uint16).numpy())
 
 
+def test_landed_waits_for_a_batch_only_once_later_ones_are_queued():
+    """Without a writer (compute_part collecting a part, gpu_check's capture) a batch's copies are
+    waited for two batches later, so they land while the next forward passes run, in order."""
+    from deepspec.devices import landed
+
+    log = []
+
+    class Batch:
+        def __init__(self, i):
+            self.i = i
+
+        def result(self):
+            log.append(f"wait {self.i}")
+            return self.i
+
+    def computed():
+        for i in range(4):
+            log.append(f"compute {i}")
+            yield Batch(i)
+
+    assert list(landed(computed())) == [0, 1, 2, 3]
+    assert log == ["compute 0", "compute 1", "compute 2", "wait 0", "compute 3", "wait 1", "wait 2", "wait 3"]
+
+
 def test_a_batchs_copies_are_waited_for_on_its_own_gpu_whichever_thread_waits(monkeypatch):
     """A thread's current CUDA device is its own (cuda:0 in a new one): the writer's thread waits for
     a batch's copies inside the guard of the batch's device, so a rank on cuda:3 opens no context on

@@ -35,7 +35,7 @@ from deepspec.cache.build.input_plan import (EmptyInput, check_not_empty, index_
 from deepspec.cache.write.process_writer import ProcessWriter
 from deepspec.cache.write.writer import CacheWriter
 from deepspec.config import CacheConfig
-from deepspec.devices import HostCopies, separate_writer as separate_writer_of, writer_threads
+from deepspec.devices import HostCopies, landed, separate_writer as separate_writer_of, writer_threads
 from deepspec.models.capture import forward_capture
 from deepspec.models.target import check_layers, compute_fingerprint, compute_settings, load_causal_lm, load_identity
 from deepspec.progress import progress
@@ -105,7 +105,7 @@ def compute_part(model, name: str, samples: list[Sample], layers: list[int], bat
     part.computed_by = computed_by
     batches = forward_batches(model, samples, layers, batch_tokens, pad_id, device, dtype)
     if writer is None:
-        got = [b.result() for b in batches]
+        got = list(landed(batches))  # a batch's copies land while the next ones compute
         part.hidden = {k: (np.concatenate([b[k][0] for b in got]),
                            None if got[0][k][1] is None else np.concatenate([b[k][1] for b in got]))
                        for k in [*layers, "last"]}
