@@ -168,7 +168,11 @@ class TrainConfig:
     schedule: Literal["cosine", "sgdr", "constant"] = "cosine"
     sgdr_period: Annotated[Int, Field(ge=1)] = 100
     sgdr_mult: Annotated[Float, Field(ge=1.0)] = 2.0
+    # AdamW: weight decay, betas and eps (recipes differ: the defaults are what deepspec always used)
     weight_decay: Annotated[Float, Field(ge=0.0)] = 0.0
+    adam_betas: Annotated[list[Annotated[Float, Field(ge=0.0, lt=1.0)]], Field(min_length=2, max_length=2)] = \
+        field(default_factory=lambda: [0.9, 0.95])
+    adam_eps: Annotated[Float, Field(gt=0.0)] = 1e-8
     grad_clip: Annotated[Float, Field(ge=0.0)] = 1.0
     ce_weight: Annotated[Float, Field(ge=0.0)] = 0.1
     l1_weight: Annotated[Float, Field(ge=0.0)] = 0.9

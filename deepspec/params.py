@@ -64,6 +64,35 @@ def _message(error: dict) -> str:
     return f"{path or 'params'}: {error['msg']}, got {value!r}"
 
 
+# how pydantic tags each member of a union a value failed (`compile: true | auto`)
+UNION_MEMBER = re.compile(r"^(bool|int|float|str|none|literal\[.*\]|list\[.*\]|dict\[.*\])$")
+
+
+def _messages(errors: list[dict]) -> list[str]:
+    """One message per bad key: the errors of a union's members become one, naming each form the key
+    takes ("train.compile: expected true/false or 'auto', got 'yes'")."""
+    out, unions = [], {}
+    for err in errors:
+        loc = err["loc"]
+        if loc and isinstance(loc[-1], str) and UNION_MEMBER.match(loc[-1]):
+            unions.setdefault(loc[:-1], []).append(err)
+        else:
+            out.append(_message(err))
+    for loc, errs in unions.items():
+        forms = []
+        for err in errs:
+            kind = err["type"]
+            if kind == "literal_error":
+                forms.append(str(err["ctx"]["expected"]))
+            elif kind in BOUNDS:
+                name, sym = BOUNDS[kind]
+                forms.append(f"must be {sym} {err['ctx'][name]}")
+            else:
+                forms.append(MESSAGES.get(kind, err["msg"]))
+        out.append(f"{_key_path(loc)}: {' or '.join(forms)}, got {errs[0].get('input')!r}")
+    return out
+
+
 @functools.cache
 def _validator() -> TypeAdapter:
     return TypeAdapter(Params)
@@ -109,8 +138,7 @@ def params_from_dict(raw: Any) -> Params:
     try:
         params = _validator().validate_python({} if raw is None else raw)
     except ValidationError as e:
-        messages = [_message(err) for err in e.errors()]
-        raise ConfigError("; ".join(messages)) from None
+        raise ConfigError("; ".join(_messages(e.errors()))) from None
     refuse_secrets(params)
     return params
 

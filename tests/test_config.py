@@ -43,6 +43,10 @@ def test_repo_params_load_with_reference_layers():
     ({"train": {"steps": 10.0}}, "train.steps: expected an integer, got 10.0"),
     ({"eval": {"sample": "no"}}, "eval.sample: expected true/false, got 'no'"),
     ({"regen": {"urls": [8000]}}, "regen.urls[0]: expected a string, got 8000"),
+    ({"train": {"adam_betas": [0.9]}}, "train.adam_betas: "),
+    ({"train": {"adam_betas": [0.9, 1.0]}}, "train.adam_betas[1]: must be < 1.0, got 1.0"),
+    ({"train": {"adam_eps": 0.0}}, "train.adam_eps: must be > 0.0, got 0.0"),
+    ({"train": {"compile": "yes"}}, "train.compile: expected true/false or 'auto', got 'yes'"),
 ])
 def test_bad_params_name_key_and_value(raw, message):
     with pytest.raises(ConfigError) as e:

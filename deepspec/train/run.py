@@ -138,6 +138,11 @@ RESUME_NEUTRAL = ("steps", "checkpoint_every", "keep_checkpoints", "num_workers"
                   "capture", "capture_ranks", "compile")
 
 
+# Trajectory settings added after runs with checkpoints existed: at their default (what those runs
+# used) they are left out of the fingerprint, so such a checkpoint still resumes; any other value counts.
+ADDED_LATER = ("adam_betas", "adam_eps")
+
+
 def distinct_token_ids(dataset) -> np.ndarray:
     """The sorted distinct token ids of every sample of a TargetCacheDataset of input ids (or of any
     iterable of such samples)."""
@@ -158,7 +163,9 @@ def resume_fingerprint(cfg: TrainConfig, layers: list[int], target_id: str, mani
     input layers, target and cache content. `compiled`: train.compile as resolved for the device; a
     compiled step rounds differently from an eager one, so it counts (and only when on, so that an eager
     run's fingerprint is what it was before the setting existed)."""
-    trajectory = {k: v for k, v in to_dict(cfg).items() if k not in RESUME_NEUTRAL}
+    defaults = to_dict(TrainConfig())
+    trajectory = {k: v for k, v in to_dict(cfg).items()
+                  if k not in RESUME_NEUTRAL and not (k in ADDED_LATER and v == defaults[k])}
     if compiled:
         trajectory["compiled"] = True
     # a part as the plan names it (a read-through run's planned manifest has no HDF5 chunk-table position)

@@ -85,8 +85,8 @@ class Trainer:
         self.final_metrics: dict = {}     # that is resumed reports the same final numbers)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                                           **adamw_kernels(self.device))
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
+                                           weight_decay=cfg.weight_decay, **adamw_kernels(self.device))
         self.sampler = ResumableBatchSampler(dataset.lengths(), batch_size=cfg.batch_size, seed=cfg.seed,
                                              rank=rank, world_size=world_size, window_parts=cfg.window_parts,
                                              parts=dataset.sample_parts() if cfg.window_parts else None)

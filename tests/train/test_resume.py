@@ -74,6 +74,24 @@ def test_resume_fingerprint_covers_exactly_what_changes_the_trajectory():
     assert resume_fingerprint(base, [0, 2], "target-a", dict(manifest, dtype="float8_e4m3fn")) != fp
 
 
+# resume_fingerprint(TrainConfig(), [0, 2], "target-a", MANIFEST) as deepspec computed it before the
+# optimizer's betas and eps were settings: checkpoints saved then must still resume
+MANIFEST = {"parts": [{"name": "p0", "samples": 10, "tokens": 400}], "dtype": "bfloat16"}
+EARLIER_DEFAULT_FINGERPRINT = "a53ce4a1547c6e62eac2de11a22bf26855d895ecaf9da5f202e06a59780ab997"
+
+
+def test_adamws_settings_reach_the_optimizer_and_earlier_checkpoints_still_resume(tmp_path, small_cache,
+                                                                                  trained_target):
+    assert resume_fingerprint(TrainConfig(), [0, 2], "target-a", MANIFEST) == EARLIER_DEFAULT_FINGERPRINT
+    cfg = TrainConfig(**dict(FAST, adam_betas=[0.8, 0.99], adam_eps=1e-6, weight_decay=0.01))
+    trainer = build_trainer(cfg, [-1, 0, 2], str(small_cache), trained_target, tmp_path / "out", tmp_path / "state")
+    group = trainer.optimizer.param_groups[0]
+    assert group["betas"] == (0.8, 0.99) and group["eps"] == 1e-6 and group["weight_decay"] == 0.01
+    default = build_trainer(TrainConfig(**FAST), [-1, 0, 2], str(small_cache), trained_target, tmp_path / "o2",
+                            tmp_path / "s2").optimizer.param_groups[0]
+    assert default["betas"] == (0.9, 0.95) and default["eps"] == 1e-8 and default["weight_decay"] == 0.0
+
+
 def _lr_curve(tmp_path):
     tsv = tmp_path / "train" / "live" / "plots" / "metrics" / "train" / "lr.tsv"
     rows = [line.split("\t") for line in tsv.read_text().splitlines()]
