@@ -168,7 +168,9 @@ def read_through_child(out_path: Path, device: torch.device) -> int:
         layers = LAYERS["tiny"]
         cache = CacheConfig(url=str(tmp / "offline.zarr"), batch_tokens=size["batch_tokens"],
                             part_tokens=size["part_tokens"])
-        cfg = TrainConfig(**size["train"], steps=STEPS[device.type] * 2, warmup_steps=2, checkpoint_every=10 ** 6)
+        # the order a read-through run takes by default, given to both runs
+        cfg = TrainConfig(**size["train"], steps=STEPS[device.type] * 2, warmup_steps=2, checkpoint_every=10 ** 6,
+                          window_parts="growing")
         build_cache(cache, layers, regen, target, device=device)
         runs = {}
         for name in ("offline", "read_through"):

@@ -180,7 +180,8 @@ class TrainConfig:
     decay_gamma: Annotated[Float, Field(gt=0.0)] = 4.0
     checkpoint_every: Annotated[Int, Field(ge=1)] = 500
     keep_checkpoints: Annotated[Int, Field(ge=1)] = 2
-    num_workers: Annotated[Int, Field(ge=0)] = 0
+    # loading processes beside each training process; auto = by device (devices.loader_workers)
+    num_workers: Annotated[Int, Field(ge=0)] | Literal["auto"] = "auto"
     # torch.compile the draft's training forward and loss (deepspec/train/compiled.py); auto = on CUDA,
     # where small steps are bound by kernel launches, off on the CPU, where a run must last long enough to
     # earn the compile back (benchmarks/compile_step.py)
@@ -198,8 +199,9 @@ class TrainConfig:
     state_url: Str = ""
     state_storage_options: dict[Str, Any] = field(default_factory=dict)
     # 0: each epoch a random order of all samples; W: the parts in a random order W at a time, samples
-    # shuffled within (a mirror of a store too large for local disk; a read-through run's first steps)
-    window_parts: Annotated[Int, Field(ge=0)] = 0
+    # shuffled within (a mirror of a store too large for local disk); growing: the first epoch in windows
+    # of 2, 2, 4, 8... parts, later epochs as 0; auto: growing for read-through, else 0 (trainer.window_of)
+    window_parts: Annotated[Int, Field(ge=0)] | Literal["auto", "growing"] = "auto"
     # read-through: the cache stage only plans; train writes each part before it first reads it (fill.py),
     # in the training process or, under torchrun, on the last `capture_ranks` ranks (fill_ranks.py)
     capture: Literal["offline", "read-through"] = "offline"

@@ -40,6 +40,25 @@ def writer_threads(device: torch.device | str) -> int:
     return max(1, min(8, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))) - 1))
 
 
+# loading processes beside an accelerator: gpu_check on an H200 (16 cores, one rank) waited for data
+# 36 % of the run with none and under 3 % with 4
+ACCELERATOR_LOADERS = 4
+
+
+def loader_workers(setting: int | str, device: torch.device | str) -> int:
+    """`train.num_workers` resolved for a trainer on `device`: a number as given; `auto` = on the CPU
+    none (the loading processes take cores the step's own math uses: benchmarks/loader_workers.py),
+    beside an accelerator ACCELERATOR_LOADERS, fewer where this rank's share of the cores (shared
+    with the node's other ranks, LOCAL_WORLD_SIZE) leaves less than one core to the training process."""
+    if setting != "auto":
+        return int(setting)
+    if torch.device(device).type == "cpu":
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return max(1, min(ACCELERATOR_LOADERS, share - 1))
+
+
 def separate_writer(device: torch.device | str) -> bool:
     """Whether a cache writer fed by forward passes on `device` runs in a process of its own
     (deepspec.cache.write.process_writer). Beside an accelerator: the forward passes are bound by

@@ -97,6 +97,16 @@ def test_a_cache_writer_beside_a_gpu_writes_on_the_ranks_share_of_the_cores(monk
     assert writer_threads("cpu") == 1
 
 
+def test_the_default_loading_processes_by_device_and_the_ranks_share_of_the_cores(monkeypatch):
+    from deepspec.devices import loader_workers
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert loader_workers("auto", "cpu") == 0 and loader_workers(3, "cpu") == 3 and loader_workers(0, "cuda") == 0
+    for ranks, want in (("1", 4), ("4", 3), ("8", 1), ("16", 1)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+        assert loader_workers("auto", torch.device("cuda", 0)) == want, ranks
+
+
 def test_a_cache_writer_beside_a_gpu_writes_in_a_process_of_its_own(monkeypatch):
     """Beside a GPU the forward passes' Python must not wait for a writer thread's GIL
     (benchmarks/writeback_gil.py); on the CPU a thread; without memory files (not Linux) a thread."""

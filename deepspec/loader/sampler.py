@@ -3,7 +3,10 @@
 Order is a pure function of (seed, epoch): a permutation of all samples or, with `window_parts` W
 and each sample's part, the parts in a random order taken W at a time, the samples of each window in
 a random order (a loader then reads W parts at a time: what a part mirror of a remote store needs,
-deepspec/cache/read/mirror.py). Batches are either a
+deepspec/cache/read/mirror.py). `window_parts="growing"`: the first epoch's windows hold 2, 2, 4, 8,
+... parts (each twice the last after the first two), so its first batches need only two parts and
+its mixing widens as it goes (what a read-through run fills the store in); later epochs are a
+permutation of all samples. Batches are either a
 fixed number of samples or, with `token_budget`, as many samples as fit in (batch size x longest
 length) <= budget; `group_by_length` sorts each window of 64 batches by length first so batches
 waste less padding. Every rank gets every `world_size`-th batch of the same global sequence:
@@ -20,13 +23,30 @@ from torch.utils.data import Sampler
 from deepspec.cache.spec.plan import pack_ranges
 
 
+GROWING = "growing"
+FIRST_WINDOW = 2  # parts in a growing order's first window (and its second)
+
+
+def window_bounds(parts: int, window_parts: int | str) -> list[tuple[int, int]]:
+    """[a, b) ranges of the shuffled parts that make the windows: W at a time, or growing (2, 2, 4, 8...)."""
+    if window_parts != GROWING:
+        return [(a, min(a + window_parts, parts)) for a in range(0, parts, window_parts)]
+    out, a, size = [], 0, FIRST_WINDOW
+    while a < parts:
+        out.append((a, min(a + size, parts)))
+        a, size = a + size, size if a == 0 else 2 * size
+    return out
+
+
 class ResumableBatchSampler(Sampler[list[int]]):
     def __init__(self, lengths, batch_size: int = 1, token_budget: int | None = None, seed: int = 0,
                  rank: int = 0, world_size: int = 1, shuffle: bool = True, group_by_length: bool = False,
-                 drop_last: bool = False, parts=None, window_parts: int = 0):
+                 drop_last: bool = False, parts=None, window_parts: int | str = 0):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, {world_size})")
-        if window_parts < 0 or (window_parts and (parts is None or len(parts) != len(lengths))):
+        if window_parts != GROWING and (not isinstance(window_parts, int) or window_parts < 0):
+            raise ValueError(f"window_parts={window_parts!r}: a number of parts >= 0, or {GROWING!r}")
+        if window_parts and (parts is None or len(parts) != len(lengths)):
             raise ValueError(f"window_parts={window_parts} needs the part of each of the {len(lengths)} samples")
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.parts = None if parts is None else np.asarray(parts, dtype=np.int64)
@@ -51,16 +71,15 @@ class ResumableBatchSampler(Sampler[list[int]]):
         if not self.shuffle:
             return np.arange(n)
         g = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + epoch)  # a host-side plan
-        if not self.window_parts:
+        if not self.window_parts or (self.window_parts == GROWING and epoch > 0):
             return torch.randperm(n, generator=g, device="cpu").numpy()
         by_part = np.argsort(self.parts, kind="stable")  # sample indices grouped by part, in part order
         _, starts, counts = np.unique(self.parts[by_part], return_index=True, return_counts=True)
         picked = torch.randperm(len(starts), generator=g, device="cpu").numpy()
         starts, counts = starts[picked], counts[picked]
         order = []
-        for w in range(0, len(starts), self.window_parts):
-            window = np.concatenate([by_part[a:a + n] for a, n in zip(starts[w:w + self.window_parts],
-                                                                        counts[w:w + self.window_parts])])
+        for a, b in window_bounds(len(starts), self.window_parts):
+            window = np.concatenate([by_part[s:s + c] for s, c in zip(starts[a:b], counts[a:b])])
             order.append(window[torch.randperm(len(window), generator=g, device="cpu").numpy()])
         return np.concatenate(order) if order else np.zeros(0, np.int64)
 

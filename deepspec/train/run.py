@@ -19,10 +19,10 @@ from deepspec.loader.dataset import TargetCacheDataset
 from deepspec.models.draft import DraftConfig, DraftModel
 from deepspec.models.registry import ALGORITHMS
 from deepspec.models.target import embedding_weights, load_identity, target_embeddings
-from deepspec.train.callbacks import DvcLiveMetrics, JsonMetrics, ProgressBar
+from deepspec.train.callbacks import Callback, DvcLiveMetrics, JsonMetrics, ProgressBar
 from deepspec.train.compiled import compiles
 from deepspec.train.state_dir import StateDir
-from deepspec.train.trainer import Trainer
+from deepspec.train.trainer import Trainer, window_of
 
 
 log = logging.getLogger(__name__)
@@ -166,6 +166,8 @@ def resume_fingerprint(cfg: TrainConfig, layers: list[int], target_id: str, mani
     defaults = to_dict(TrainConfig())
     trajectory = {k: v for k, v in to_dict(cfg).items()
                   if k not in RESUME_NEUTRAL and not (k in ADDED_LATER and v == defaults[k])}
+    if "window_parts" in trajectory:  # as resolved: `auto` offline is the 0 it was before `auto` existed
+        trajectory["window_parts"] = window_of(cfg)
     if compiled:
         trajectory["compiled"] = True
     # a part as the plan names it (a read-through run's planned manifest has no HDF5 chunk-table position)
@@ -234,15 +236,37 @@ def build_trainer(cfg: TrainConfig, layers: list[int], cache_url: str, target_di
     return trainer
 
 
+class FirstStepParts(Callback):
+    """How many parts the batches drawn before the end of the first optimizer step needed committed
+    (a read-through run's wait before it trains; the loader draws a few batches ahead)."""
+
+    def __init__(self):
+        self.needed: set[int] = set()
+        self.count: int | None = None
+
+    def on_step_end(self, trainer, metrics) -> None:
+        if self.count is None:
+            self.count = len(self.needed)
+
+
 def read_through(trainer: Trainer, fill: StoreFill | RanksFill) -> None:
-    """Have `fill` write the parts the store lacks in the order the first epoch reads them (window by
-    window with train.window_parts), and the trainer's sampler hand out a batch only once its parts
-    are committed. The order is the sampler's, a function of the plan and the seed, so the draft is
-    the one an offline run with the same settings trains on the finished store, whatever the timing."""
+    """Have `fill` write the parts the store lacks in the order the first epoch first reads them
+    (sampler.part_order: with the default growing windows, two parts before the first step), and the
+    trainer's sampler hand out a batch only once its parts are committed. The order is the sampler's,
+    a function of the plan and the seed, so the draft is the one an offline run with the same
+    settings (the same train.window_parts) trains on the finished store, whatever the timing."""
     names = fill.plan().names
     part_of = trainer.dataset.sample_parts()
     fill.compute([names[p] for p in trainer.sampler.part_order(0)])
-    trainer.sampler.gate = lambda batch: fill.wait({names[p] for p in part_of[batch]})
+    first = FirstStepParts()
+    trainer.callbacks.append(first)
+
+    def gate(batch):
+        parts = {int(p) for p in part_of[batch]}
+        if first.count is None:
+            first.needed |= parts
+        fill.wait({names[p] for p in parts})
+    trainer.sampler.gate = gate
     trainer.loader_context = lambda: None if fill.idle() else "forkserver"
 
 
@@ -250,9 +274,11 @@ def capture_counts(cfg: TrainConfig, trainer: Trainer, fill: StoreFill | RanksFi
     """The train stage's metrics of what it captured beside what it read (without a fill the run
     reads every part of the store and captures nothing)."""
     if fill is not None:
-        return {"capture": cfg.capture, **fill.counts()}
+        first = next((cb.count for cb in trainer.callbacks if isinstance(cb, FirstStepParts)), None)
+        return {"capture": cfg.capture, **fill.counts(), "parts_before_first_step": first}
     return {"capture": cfg.capture, "target_forwards": 0, "parts_computed": 0, "parts_derived": 0,
-            "parts_kept": len(trainer.dataset.manifest["parts"]), "tokens_computed": 0, "wait_for_parts_s": 0.0}
+            "parts_kept": len(trainer.dataset.manifest["parts"]), "tokens_computed": 0, "wait_for_parts_s": 0.0,
+            "parts_before_first_step": 0}
 
 
 def run_training(cfg: TrainConfig, layers: list[int], cache_url: str, target_dir: Path, draft_dir: Path,

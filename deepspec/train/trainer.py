@@ -23,10 +23,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from deepspec import distributed
+from deepspec.devices import loader_workers
 from deepspec.config import TrainConfig
 from deepspec.loader.batches import Batches
 from deepspec.loader.prefetch import Prefetcher
-from deepspec.loader.sampler import ResumableBatchSampler
+from deepspec.loader.sampler import GROWING, ResumableBatchSampler
 from deepspec.train.checkpoint import (CheckpointError, check_model_state, check_optimizer_state, checkpoint_step,
                                        load_optimizer_tensors, optimizer_tensors, read_stored, rng_state,
                                        save_checkpoint, set_aside_stale, set_rng_state, steps_beyond,
@@ -47,6 +48,15 @@ def adamw_kernels(device: torch.device) -> dict:
     foreach path's); foreach elsewhere (on the CPU bit for bit the per-parameter loop, which also read
     each parameter's step count back to the host)."""
     return {"fused": True} if device.type == "cuda" else {"foreach": True}
+
+
+def window_of(cfg: TrainConfig) -> int | str:
+    """train.window_parts resolved: `auto` = growing windows for a read-through run (its first step
+    needs two parts, not the whole store; sampler.GROWING), none offline (each epoch a permutation of
+    all samples)."""
+    if cfg.window_parts != "auto":
+        return cfg.window_parts
+    return GROWING if cfg.capture == "read-through" else 0
 
 
 class TrainError(ValueError):
@@ -87,9 +97,11 @@ class Trainer:
         self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
                                            weight_decay=cfg.weight_decay, **adamw_kernels(self.device))
+        window = window_of(cfg)
         self.sampler = ResumableBatchSampler(dataset.lengths(), batch_size=cfg.batch_size, seed=cfg.seed,
-                                             rank=rank, world_size=world_size, window_parts=cfg.window_parts,
-                                             parts=dataset.sample_parts() if cfg.window_parts else None)
+                                             rank=rank, world_size=world_size, window_parts=window,
+                                             parts=dataset.sample_parts() if window or cfg.capture == "read-through"
+                                             else None)
         self._check_batches()
         try:
             anchor_key(cfg.seed, cfg.steps - 1, cfg.grad_accum - 1, world_size - 1)
@@ -97,6 +109,7 @@ class Trainer:
             raise TrainError(f"train.seed={cfg.seed}, train.steps={cfg.steps}, train.grad_accum={cfg.grad_accum}, "
                              f"world size {world_size}: {e}") from None
         self.autocast = self.device.type == "cuda"
+        self.num_workers = loader_workers(cfg.num_workers, self.device)
         self.compiled = compiles(cfg.compile, self.device)
         if self.compiled:  # in place: a DDP wrapper calls the compiled forward too
             compile_draft(model)
@@ -273,9 +286,9 @@ class Trainer:
             # shapes repeat after a few batches; padded positions lie past each row's length, where
             # nothing attends to them or is supervised
             loader = DataLoader(Batches(self.dataset, kv_multiple(self.device)), sampler=self.sampler, batch_size=None,
-                                num_workers=self.cfg.num_workers, pin_memory=self.device.type == "cuda",
+                                num_workers=self.num_workers, pin_memory=self.device.type == "cuda",
                                 persistent_workers=False,
-                                multiprocessing_context=self.loader_context() if self.cfg.num_workers else None)
+                                multiprocessing_context=self.loader_context() if self.num_workers else None)
             for batch in Prefetcher(loader, self.device):
                 self.state.position += 1
                 yield batch

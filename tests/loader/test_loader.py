@@ -246,6 +246,27 @@ def test_a_window_of_parts_is_read_before_the_next_and_every_sample_once(window)
         ResumableBatchSampler(LENGTHS, window_parts=2)
 
 
+def test_growing_windows_hold_2_2_4_8_parts_in_the_first_epoch_and_later_epochs_mix_all_samples():
+    many = np.repeat(np.arange(40), 3)  # 40 parts of 3 samples
+    lengths = np.full(len(many), 10)
+    s = ResumableBatchSampler(lengths, batch_size=3, seed=5, parts=many, window_parts="growing")
+    order = [i for b in s.batches(0) for i in b]
+    assert sorted(order) == list(range(len(many)))
+    first_seen = s.part_order(0)
+    at = 0
+    for size in (2, 2, 4, 8, 16, 8):  # the last window takes what is left (40 parts in all)
+        group = set(first_seen[:size])
+        first_seen = first_seen[size:]
+        assert {int(many[i]) for i in order[at:at + 3 * size]} == group
+        at += 3 * size
+    assert {int(many[i]) for i in s.batches(0)[0]} <= set(s.part_order(0)[:2])  # the first batch: two parts
+    later = [i for b in s.batches(1) for i in b]
+    assert sorted(later) == list(range(len(many)))
+    assert later == [i for b in ResumableBatchSampler(lengths, batch_size=3, seed=5).batches(1) for i in b]
+    with pytest.raises(ValueError, match="window_parts='wide'"):
+        ResumableBatchSampler(lengths, parts=many, window_parts="wide")
+
+
 def test_the_gate_sees_each_batch_before_it_is_handed_out():
     s = ResumableBatchSampler(LENGTHS, batch_size=4, seed=5, parts=PARTS, window_parts=3)
     gated, handed = [], []
@@ -256,7 +277,8 @@ def test_the_gate_sees_each_batch_before_it_is_handed_out():
 
 
 @pytest.mark.parametrize("kw", [dict(batch_size=5), dict(batch_size=4, token_budget=600, group_by_length=True),
-                                dict(batch_size=3, parts=PARTS, window_parts=4)])
+                                dict(batch_size=3, parts=PARTS, window_parts=4),
+                                dict(batch_size=3, parts=PARTS, window_parts="growing")])
 def test_resume_mid_epoch_continues_exactly(kw):
     full = ResumableBatchSampler(LENGTHS, seed=9, **kw)
     run = [b for _ in range(2) for b in full]  # two epochs uninterrupted

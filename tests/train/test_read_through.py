@@ -100,6 +100,41 @@ def test_read_through_trains_the_offline_draft_leaves_the_scratch_store_and_neve
     assert full is not None and full["index"] == dict(CacheReader(str(rt / "data" / "cache.zarr")).manifest)["index"]
 
 
+def test_with_default_params_the_fill_follows_the_first_touch_order_and_the_first_step_needs_two_parts(
+        tmp_path, trained_target, monkeypatch):
+    """train.window_parts: auto (the default) gives a read-through run growing windows: the fill is handed
+    the parts in the order the first epoch first touches them, and the first step waits for two."""
+    from deepspec.loader.dataset import TargetCacheDataset
+    from deepspec.loader.sampler import ResumableBatchSampler
+    from tests.conftest import SAMPLE_CONVERSATIONS
+
+    rows = [{"id": f"{i + 1:016x}", "conversations": SAMPLE_CONVERSATIONS[i % 60]} for i in range(480)]
+    rt = workdir(tmp_path / "rt", trained_target, rows)
+    given, plans = [], []
+    real = StoreFill.compute
+    monkeypatch.setattr(StoreFill, "compute", lambda self, order: given.append(list(order)) or
+                        plans.append(self.plan()) or real(self, order))
+    cache = dict(part_tokens=250)
+    final = read_through(rt, cache, window_parts="auto", steps=4)
+    planned = plans[0]  # the samples in the plan's order, as the trainer indexes them
+    store = TargetCacheDataset(planned.url, planned=(planned.manifest, planned.rows))
+    names = [p["name"] for p in store.manifest["parts"]]
+    assert len(names) >= 40 and final["parts_before_first_step"] <= 2
+    assert json.loads((rt / "train" / "metrics.json").read_text())["parts_before_first_step"] <= 2
+    # the first epoch's batches, as the trainer draws them, touch the parts in exactly the order given
+    part_of = store.sample_parts()
+    sampler = ResumableBatchSampler(store.lengths(), batch_size=TRAIN["batch_size"], seed=TRAIN["seed"],
+                                    window_parts="growing", parts=part_of)
+    touched = []
+    for batch in sampler.global_batches(0):
+        for p in part_of[batch]:
+            if names[p] not in touched:
+                touched.append(names[p])
+    assert given == [touched]
+    # offline, the default is an order over all samples: no windows
+    assert TrainConfig().window_parts == "auto"
+
+
 def test_eagle3_read_through_takes_the_corpus_tokens_from_the_plan_and_trains_the_offline_draft(
         tmp_path, trained_target, monkeypatch):
     """EAGLE-3's vocabulary needs every sample's loss tokens before the first step: a read-through run
