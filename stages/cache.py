@@ -5,12 +5,15 @@ own parts of a disjoint sample range; rank 0 holds the store's lease, writes the
 metrics). The store written is `cache.url` itself for a local path, `<cache.url>/<store key>` for a
 remote lake (docs/cache-format.md §9); data/cache/manifest.json records its full URL for `train`.
 With `train.capture: read-through` the stage only plans the store (data/cache/manifest.json then
-lists the parts to come, not consolidated) and the train stage writes the parts as it trains.
+lists the parts to come, not consolidated) and the train stage writes the parts as it trains, into
+a store of its own beside cache.url (data/cache-read-through.zarr, its DVC output).
 """
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from deepspec.cache.build.stage import build_cache, plan_cache
+from deepspec.cache.storage.naming import read_through_url
 from deepspec.cache.storage.urls import is_remote, local_path
 from deepspec.cache.spec.format import CacheFormatError
 from deepspec.cache.tools.verify import disk_usage
@@ -38,16 +41,18 @@ def plan_only(params, d) -> None:
     (data/cache/index.npz: not a DVC output, a train stage without it indexes the input itself)."""
     cfg = params.cache
     try:
-        report = plan_cache(cfg, params.layers, Path("data/regen/train.jsonl"), Path("data/target"), d.device,
-                            d.rank, d.world, d.gather, keep_index=Path(KEPT_INDEX))
+        report = plan_cache(replace(cfg, url=read_through_url(cfg.url)), params.layers,
+                            Path("data/regen/train.jsonl"), Path("data/target"), d.device, d.rank, d.world, d.gather,
+                            keep_index=Path(KEPT_INDEX))
     except CacheFormatError as e:
         raise StageError(str(e)) from None
     if d.rank != 0:
         return
     manifest = report.pop("manifest")
-    if not is_remote(manifest["url"]):
-        # the DVC output exists from the plan on; the train stage fills it
-        Path(local_path(manifest["url"])).mkdir(parents=True, exist_ok=True)
+    if not is_remote(cfg.url):
+        # this stage's DVC output, left as it is (an earlier offline build's store, or empty): the train
+        # stage fills the planned store beside it (naming.read_through_url), its own output
+        Path(local_path(cfg.url)).mkdir(parents=True, exist_ok=True)
     metrics = {"samples": manifest["num_samples"], "tokens": manifest["num_tokens"], "parts": len(manifest["parts"]),
                "layers": len(manifest["layers"]), "mode": "planned (train.capture: read-through)"}
     metrics |= split_timings(report)
@@ -66,8 +71,10 @@ def main(params):
         return
     with launch(cfg.collective_timeout_s) as d:
         try:
+            # a read-through run's store of this very content is derived from, not computed again
             report = build_cache(cfg, params.layers, Path("data/regen/train.jsonl"), Path("data/target"),
-                                 d.rank, d.world, d.device, share=d.share, gather=d.gather)
+                                 d.rank, d.world, d.device, share=d.share, gather=d.gather,
+                                 also=() if is_remote(cfg.url) else (read_through_url(cfg.url),))
         except CacheFormatError as e:
             raise StageError(str(e)) from None
         rank = d.rank

@@ -4,7 +4,9 @@ Runs as one process, or under `torchrun --nproc-per-node N stages/train.py` (DDP
 nccl on GPU). With `train.capture: read-through` it also writes the store's parts, each before it is
 first trained on: in the training process (deepspec/cache/build/fill.py), or, with
 `train.capture_ranks: k` under torchrun, on the last k ranks while the others train (fill_ranks.py);
-the cache stage only planned them (deepspec/train/source.py chooses). Resume state lives in
+the cache stage only planned them (deepspec/train/source.py chooses), into a store beside cache.url
+that is this stage's DVC output (data/cache-read-through.zarr; empty after an offline run), derived
+from the cache stage's store where that one already holds the content. Resume state lives in
 data/train_state/ (not a DVC output, so DVC never deletes it), or at `train.state_url` (s3://…: ranks
 on several nodes share nothing but the bucket); checkpoints made under other params are set aside,
 then deleted once this run has saved one (README: "Training longer, and what a resume keeps").
@@ -13,7 +15,8 @@ import json
 from pathlib import Path
 
 from deepspec.cache.spec.format import CacheFormatError
-from deepspec.cache.storage.naming import built_manifest
+from deepspec.cache.storage.naming import built_manifest, read_through_url
+from deepspec.cache.storage.urls import is_remote
 from deepspec.distributed import launch
 from deepspec.stage import StageError, configure_threads, run_stage
 from deepspec.train.checkpoint import CheckpointError
@@ -49,6 +52,8 @@ def main(params):
     if error:
         raise StageError(error)
     if d.rank == 0:
+        if not is_remote(params.cache.url):  # this stage's DVC output: the store a read-through run fills,
+            Path(read_through_url(params.cache.url)).mkdir(parents=True, exist_ok=True)  # empty offline
         print(json.dumps(final))
 
 

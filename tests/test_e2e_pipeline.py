@@ -211,10 +211,12 @@ def test_smaller_cache_experiment(pipeline):
     dvc(pipeline, "checkout")
 
 
-def test_a_read_through_sampling_experiment_regenerates_and_fills_the_store_in_train(pipeline, tmp_path):
+def test_a_read_through_sampling_experiment_regenerates_and_fills_the_store_in_train(pipeline, remote, moto,
+                                                                                     tmp_path):
     # the answers change under the same row ids: regen reruns, the cache stage plans (read-through:
-    # no forward there), and train computes every part before it reads it. The offline cache stage
-    # following such a change is tests/cache/test_content_keys.py's (a real `dvc repro` of the stage).
+    # no forward there), and train computes every part before it reads it, with no setting beyond
+    # train.capture (README "Train while the cache fills"). The offline cache stage following such a
+    # change is tests/cache/test_content_keys.py's (a real `dvc repro` of the stage).
     from deepspec.cache.build.stage import build_cache
     from deepspec.params import load_params
     from tests.cache.test_derive import manifest, store_files
@@ -224,9 +226,10 @@ def test_a_read_through_sampling_experiment_regenerates_and_fills_the_store_in_t
         return {r["id"]: r["conversations"] for r in rows}
 
     before = answers()
+    offline_store = store_files(str(pipeline / "data/cache.zarr"))
     # smaller parts: a plan the store does not hold, cut into several windows of parts
     out = dvc(pipeline, "exp", "run", "-S", "sampling.temperature=0.9", "-S", "sampling.seed=7",
-              "-S", "train.capture=read-through", "-S", "train.window_parts=2", "-S", "cache.part_tokens=12000",
+              "-S", "train.capture=read-through", "-S", "cache.part_tokens=12000",
               "-S", "train.steps=60", "-S", "eval.suites=[{source: heldout, max_prompts: 2}]",
               "-n", "hot-read-through", timeout=3600).stdout
     ran = {s for s in ("split", "target", "regen", "cache", "train", "eval") if f"Running stage '{s}'" in out}
@@ -239,25 +242,37 @@ def test_a_read_through_sampling_experiment_regenerates_and_fills_the_store_in_t
     metrics = json.loads((pipeline / "data/train/metrics.json").read_text())
     assert metrics["capture"] == "read-through" and metrics["target_forwards"] > 0 and len(planned["parts"]) >= 4
     assert metrics["parts_computed"] + metrics["parts_kept"] == len(planned["parts"]) and metrics["parts_computed"]
-    # train left the store a from-scratch cache-stage build of the new regen output gives
+    assert 1 <= metrics["parts_before_first_step"] <= 2  # the first step after the first window, not the store
+    # train left its store (the train stage's output beside cache.url) what a from-scratch cache-stage
+    # build of the new regen output gives; the cache stage's store is as the offline run left it
     params = load_params(pipeline / "params.yaml")
     scratch = tmp_path / "scratch.zarr"
     build_cache(dataclasses.replace(params.cache, url=str(scratch), derive_from="none"), params.layers,
                 pipeline / "data/regen/train.jsonl", pipeline / "data/target")
-    store = str(pipeline / "data/cache.zarr")
+    store = str(pipeline / "data/cache-read-through.zarr")
+    assert planned["url"] == "data/cache-read-through.zarr"
     assert store_files(store) == store_files(str(scratch))
     got, want = manifest(store), manifest(str(scratch))
     got.pop("derived_from", None)
     assert got == want
-    root = json.loads((pipeline / "data/cache.zarr/zarr.json").read_text())["attributes"]
+    root = json.loads((pipeline / "data/cache-read-through.zarr/zarr.json").read_text())["attributes"]
     assert [p["name"] for p in root["parts"]] == [p["name"] for p in planned["parts"]]
-    # the cache stage recorded the store before train filled it: DVC sees it changed, and a repro
-    # plans again (no forward) and records it, without training again
-    assert "data/cache.zarr" in dvc(pipeline, "status").stdout
-    again = dvc(pipeline, "repro").stdout
-    assert "Running stage 'cache'" in again and "Running stage 'train'" not in again, again[-3000:]
-    assert "up to date" in dvc(pipeline, "status").stdout
-    git(pipeline, "checkout", "--", ".")  # back to the default params (outputs follow on the next step)
+    assert store_files(str(pipeline / "data/cache.zarr")) == offline_store
+    # each store is recorded by the stage that finished it: nothing is out of date after the run
+    status = dvc(pipeline, "status").stdout
+    assert "up to date" in status and "modified" not in status, status
+    # a teammate's clone of this state pulls the filled store and recomputes nothing
+    git(pipeline, "add", "params.yaml", "dvc.lock")
+    git(pipeline, "commit", "-qm", "read-through experiment")
+    dvc(pipeline, "push")
+    b = tmp_path / "teammate"
+    run(["git", "clone", "-q", str(pipeline), str(b)], tmp_path)
+    configure_credentials(b)
+    dvc(b, "pull")
+    assert store_files(str(b / "data/cache-read-through.zarr")) == store_files(store)
+    assert "up to date" in dvc(b, "status").stdout
+    assert "Running stage" not in dvc(b, "repro").stdout
+    git(pipeline, "reset", "-q", "--hard", "HEAD~1")  # back to the default params and their outputs
     dvc(pipeline, "checkout")
 
 

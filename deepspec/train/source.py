@@ -5,12 +5,13 @@ writes the planned parts while this run trains on them, on a thread of the train
 this returns from only when their part is done."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from deepspec.cache.build.fill import StoreFill, check_plan, stored
 from deepspec.cache.build.fill_ranks import RanksFill, capture
-from deepspec.cache.storage.naming import built_store_url
+from deepspec.cache.storage.naming import built_store_url, read_through_url
+from deepspec.cache.storage.urls import is_remote
 from deepspec.distributed import Dist, split
 from deepspec.train.trainer import TrainError
 
@@ -35,6 +36,10 @@ def training_source(params, d: Dist, recorded: dict | None, regen: Path, target:
         raise TrainError("train.capture_ranks: capture ranks write a read-through run's parts; set "
                          "train.capture: read-through, or capture_ranks: 0")
     full = stored(recorded, params.cache.storage_options) if cfg.capture == "read-through" else None
+    # a read-through run fills a store of its own beside cache.url (naming.read_through_url), derived from
+    # the cache stage's store where that one holds the content
+    fill_cfg = replace(params.cache, url=read_through_url(params.cache.url))
+    also = () if is_remote(params.cache.url) else (params.cache.url,)
     me, fill = d, None
     if cfg.capture_ranks:  # the trainers are the same ranks whether or not the store is full yet
         if cfg.capture_ranks >= d.world:
@@ -45,7 +50,7 @@ def training_source(params, d: Dist, recorded: dict | None, regen: Path, target:
         me = roles.own
         if roles.capturing:
             if full is None:
-                capture(params.cache, params.layers, regen, target, roles, recorded, planned_at, index)
+                capture(fill_cfg, params.layers, regen, target, roles, recorded, planned_at, index, also)
             return None
         if full is None:
             fill = RanksFill(roles, target, params.cache.storage_options)
@@ -59,7 +64,7 @@ def training_source(params, d: Dist, recorded: dict | None, regen: Path, target:
             raise TrainError("train.capture: read-through under torchrun needs train.capture_ranks (the last ranks "
                              "capture, the others train); in one process it captures on a thread of the trainer")
         # the cache stage planned the store; this stage writes its parts as it trains on them
-        fill = StoreFill(params.cache, params.layers, regen, target, d.device, index_from=index)
+        fill = StoreFill(fill_cfg, params.layers, regen, target, d.device, index_from=index, also=also)
         try:
             check_plan(fill.plan(), recorded, planned_at)
         except BaseException:

@@ -222,6 +222,26 @@ def test_derive_from_names_another_local_store(tmp_path, trained_target):
                                                                              regen_rows(20)))
 
 
+def test_a_store_absent_or_of_other_content_is_derived_from_the_first_other_local_store_that_can_serve(
+        tmp_path, trained_target):
+    """build_cache(also=...): the cache stage's store and a read-through run's (naming.read_through_url)
+    derive from each other, so a switch of train.capture computes nothing the project holds already."""
+    work = workdir(tmp_path / "a", trained_target, regen_rows(20))
+    build(work, LAYERS)
+    there = str(work / "data/cache.zarr")
+    beside = str(work / "data/cache-read-through.zarr")
+    cfg = CacheConfig(url=beside, part_tokens=200)
+    regen, target = work / "data/regen/train.jsonl", work / "data/target"
+    report = build_cache(cfg, SUBSET, regen, target, also=(str(tmp_path / "none.zarr"), there))
+    assert report["mode"] == "derived" and report["derive"]["source"] == there and report["target_forwards"] == 0
+    same_store(beside, scratch(tmp_path, trained_target, SUBSET, regen_rows(20)))
+    # the store at the url itself comes first when it can serve; else the candidates, else the target
+    assert build_cache(cfg, SUBSET, regen, target, also=(there,))["target_forwards"] == 0
+    report = build_cache(CacheConfig(url=str(tmp_path / "other.zarr"), part_tokens=200), [-1, 1], regen,
+                         target, also=(beside,))
+    assert report["target_forwards"] > 0  # layer 1 is in neither store
+
+
 def test_a_kill_between_the_swap_renames_is_repaired_by_the_next_run(tmp_path, trained_target):
     """The in-place derive writes `<url>.derive`, then renames the old store away and the new one in:
     whatever a kill leaves, the next run ends with a complete store and no sibling left over."""

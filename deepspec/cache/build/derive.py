@@ -164,10 +164,13 @@ def follow(url: str, plan: tuple[str, str | None], storage_options: dict | None,
     return Derivation(url, write_url, source, lead=False)
 
 
-def prepare(cfg, want: dict, url: str) -> Derivation:
+def prepare(cfg, want: dict, url: str, also: tuple[str, ...] = ()) -> Derivation:
     """Decide where the store `want` at `url` comes from: a source it can be derived from (the store
     at a local `url` when its content differs, `cache.derive_from`, or another store of the lake),
-    or the target alone (`reason` says why). Rank 0 decides; the other ranks `follow`."""
+    or the target alone (`reason` says why). `also`: other local stores to derive from when the one at
+    a local `url` cannot serve (none, or one of content it cannot be derived from), the first that
+    can (the project's other store: the cache stage's and a read-through run's). Rank 0 decides;
+    the other ranks `follow`."""
     remote = is_remote(url)
     want = dict(want, format=FORMAT, format_version=FORMAT_VERSION)
     if not remote:
@@ -212,18 +215,29 @@ def prepare(cfg, want: dict, url: str) -> Derivation:
     src = _read_manifest(url, so)
     if src is None or src.get("format") != FORMAT:
         drop_staging(url)
-        return _computed(url, remote, f"{url}: no store to derive from")
+        return _from_other(url, also, so, want) or _computed(url, remote, f"{url}: no store to derive from")
     if manifest_mismatch(src, want) is None:
         drop_staging(url)  # the store already has this content: an ordinary (resumed or changed-input) build
         return Derivation(url, url)
     why = why_not(src, want)
     if why:
         drop_staging(url)
-        return _computed(url, remote, f"{url}: {why}")
+        return _from_other(url, also, so, want) or _computed(url, remote, f"{url}: {why}")
     staging = local_path(url + STAGING)
     if staging.exists() and _read_manifest(str(staging), so) is None:
         shutil.rmtree(staging)  # a derive killed before its first manifest: nothing to resume
     return Derivation(url, url + STAGING, Source(url, so, want, lease=True))
+
+
+def _from_other(url: str, also: tuple[str, ...], so: dict, want: dict) -> Derivation | None:
+    """A derivation of the store at `url` from the first of the local stores `also` it can come from."""
+    for other in also:
+        if os.path.abspath(local_path(other)) == os.path.abspath(local_path(url)):
+            continue
+        src = _read_manifest(other, so)
+        if src is not None and src.get("format") == FORMAT and why_not(src, want) is None:
+            return Derivation(url, url, Source(other, so, want))
+    return None
 
 
 def _computed(url: str, remote: bool, reason: str) -> Derivation:

@@ -90,12 +90,12 @@ class StoreFill(FillHooks):
 
     def __init__(self, cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir: Path,
                  device: torch.device | None = None, index_from: Path | None = None,
-                 separate_writer: bool | None = None):
+                 separate_writer: bool | None = None, also: tuple[str, ...] = ()):
         """`index_from`: the input's index the cache stage kept (stage.plan_cache's keep_index), used
         when it was made from this very input, so the plan comes without tokenising the input again.
-        `separate_writer`: build_cache's (default: a writer process beside a GPU)."""
+        `separate_writer`, `also`: build_cache's (default: a writer process beside a GPU; none)."""
         self.cfg, self.layers, self.regen_path, self.target_dir = cfg, list(layers), regen_path, target_dir
-        self.index_from, self.separate_writer = index_from, separate_writer
+        self.index_from, self.separate_writer, self.also = index_from, separate_writer, tuple(also)
         self.device = device or torch.device("cpu")
         self.report: dict | None = None
         self.wait_s = 0.0  # how long the trainer waited for parts
@@ -118,7 +118,7 @@ class StoreFill(FillHooks):
         try:
             self.report = build_cache(self.cfg, self.layers, self.regen_path, self.target_dir, device=self.device,
                                       hooks=self, index_from=self.index_from,
-                                      separate_writer=self.separate_writer)
+                                      separate_writer=self.separate_writer, also=self.also)
         except BaseException as e:  # handed to the trainer at its next plan/wait/finish
             self._error = e
         finally:

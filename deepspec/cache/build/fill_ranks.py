@@ -62,16 +62,16 @@ class CaptureHooks(FillHooks):
 
 
 def capture(cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir: Path, roles: Roles,
-            recorded: dict | None, where: str, index_from: Path | None = None) -> dict:
+            recorded: dict | None, where: str, index_from: Path | None = None, also: tuple[str, ...] = ()) -> dict:
     """A capture rank's whole run: the store built with the other capture ranks, in the trainers'
     order; returns capture rank 0's report (also sent to every trainer). `recorded`: the manifest the
     cache stage planned (at `where`), which the plan must equal. A failure raises FillError naming the
-    part and the reason (the parts committed before it stay)."""
+    part and the reason (the parts committed before it stay). `also`: build_cache's."""
     own, hooks = roles.own, CaptureHooks(roles, recorded, where)
     try:
         report = build_cache(cfg, layers, regen_path, target_dir, rank=own.rank, world=own.world, device=own.device,
                              share=own.share if own.multi else None, gather=own.gather if own.multi else None,
-                             hooks=hooks, index_from=index_from)
+                             hooks=hooks, index_from=index_from, also=also)
     except FillError:
         raise
     except Exception as e:

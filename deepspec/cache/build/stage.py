@@ -196,7 +196,8 @@ def new_writer(separate: bool, url: str, manifest: dict, storage_options: dict |
 def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir: Path,
                 rank: int = 0, world: int = 1, device: torch.device | None = None,
                 prune_stale: bool | None = None, share=None, gather=None, hooks: FillHooks | None = None,
-                index_from: Path | None = None, separate_writer: bool | None = None) -> dict:
+                index_from: Path | None = None, separate_writer: bool | None = None,
+                also: tuple[str, ...] = ()) -> dict:
     """Compute and write every missing part of the store for `cfg.url` (store.store_url: the path
     itself, or `<lake>/<store key>` on a remote URL); returns the stage report (rank 0's view,
     `report["url"]` is the store written). Multi-rank: `share(value)` returns rank 0's value on every
@@ -206,7 +207,8 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
     world-th part of the order rank 0's hook returns). `index_from`: a RowIndex plan_cache kept, used
     (read by rank 0, shared) when it was made from this very input. `separate_writer`: write in a
     process of its own (process_writer.ProcessWriter; default devices.separate_writer(device)), unless
-    parts may be derived from another store (their copies need its objects in this process)."""
+    parts may be derived from another store (their copies need its objects in this process). `also`:
+    other local stores its parts may be derived from (derive.prepare)."""
     from deepspec.cache.build.derive import Derivation, follow, prepare
 
     t0 = time.time()
@@ -237,7 +239,7 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
             if remote:
                 check_lake(cfg.url, cfg.storage_options)
             t_derive = time.time()
-            derivation = prepare(cfg, manifest, url)  # where the store's parts can come from
+            derivation = prepare(cfg, manifest, url, also)  # where the store's parts can come from
             derivation.started = t_derive
             writer = new_writer(separate and derivation.source is None, derivation.write_url,
                                 derivation.manifest(manifest), cfg.storage_options, rank=0, prune_stale=prune_stale,

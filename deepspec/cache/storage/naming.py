@@ -98,6 +98,18 @@ def list_stores(url: str, storage_options: dict | None = None) -> list[dict]:
     return out
 
 
+def read_through_url(cache_url: str) -> str:
+    """The cache.url a read-through run (train.capture: read-through) plans and fills: for a local
+    cache.url a store beside it, `<name>-read-through<suffix>` (data/cache-read-through.zarr), which
+    the train stage finishes and DVC records as its output, while the cache stage records `cache.url`
+    as the run leaves it; each path is then recorded by the stage that finished it, and `dvc status`
+    stays clean. A remote lake is its own (its stores are named by content, not versioned by DVC)."""
+    if is_remote(cache_url):
+        return cache_url
+    path = Path(cache_url.rstrip("/"))
+    return str(path.with_name(f"{path.stem}-read-through{path.suffix}"))
+
+
 def built_store_url(cache_url: str, manifest_path: str | Path = "data/cache/manifest.json") -> str:
     """The store the cache stage wrote, which `train` reads: the URL its manifest records (a DVC
     dependency of train); without one (a stage run by hand), a local cache.url is the store itself."""
