@@ -42,14 +42,11 @@ def passes(work: Path, target: Path, train: dict, algorithm: str, compiled: bool
     clock = gpu_check.Clock(device)
     cfg = TrainConfig(**dict(train, num_workers=0, algorithm=algorithm, compile=compiled, steps=10 ** 6,
                              checkpoint_every=10 ** 6))
-    if algorithm == "eagle3":  # its lowest, middle and highest
-        layers = [sorted(layers)[0], sorted(layers)[len(layers) // 2], sorted(layers)[-1]]
+    layers = gpu_check.eagle3_layers(layers) if algorithm == "eagle3" else layers
     trainer = build_trainer(cfg, layers, str(work / "cache.zarr"), target, work / f"train-{algorithm}",
                             work / f"state-{algorithm}-{compiled}", device=device)
     trainer.module.train()
-    source = trainer.batches()
-    resident = [next(source) for _ in range(steps * cfg.grad_accum)]
-    del source
+    resident = gpu_check.resident(trainer, steps * cfg.grad_accum)
     out = []
     for _ in range(2):
         batches, tokens0, times, losses = iter(resident), trainer.state.tokens, [], []
@@ -93,29 +90,18 @@ def main() -> int:
     args = ap.parse_args()
     from torch._dynamo.utils import counters
 
-    from deepspec.cache.build.stage import build_cache
-    from deepspec.config import CacheConfig
     from deepspec.devices import local_device
-    from deepspec.params import load_params
 
     device = torch.device("cpu") if args.cpu else local_device()
     size = gpu_check.SIZES[device.type]
-    if device.type == "cuda":
-        train = dict(size["train"], draft_layers=1, lr=1e-3, warmup_steps=1)
-    else:  # the embedded default's draft and batches: the CPU run `auto` decides for
-        defaults = load_params(REPO / "params.yaml").train
-        keys = ("block_size", "draft_layers", "markov_rank", "anchors_per_sample", "batch_size", "grad_accum", "lr",
-                "warmup_steps", "ttt_steps", "draft_vocab_size")
-        train = {k: getattr(defaults, k) for k in keys}
+    # on the CPU the embedded default's draft and batches: the run `auto` decides for
+    train = dict(size["train"], draft_layers=1, lr=1e-3, warmup_steps=1) if device.type == "cuda" else \
+        gpu_check.default_train("ttt_steps", "draft_vocab_size")
     rows = []
     with tempfile.TemporaryDirectory(prefix="compile-step-") as tmp:
         tmp = Path(tmp)
         cold_caches(tmp)
-        tiny = gpu_check.shipped_target(tmp / "tiny")
-        regen = tmp / "regen.jsonl"
-        regen.write_text("".join(json.dumps(r) + "\n" for r in gpu_check.conversations(args.rows, seed=4)))
-        build_cache(CacheConfig(url=str(tmp / "cache.zarr"), batch_tokens=size["batch_tokens"], max_length=1024),
-                    LAYERS, regen, tiny, device=device)
+        tiny = gpu_check.tiny_store(tmp, args.rows, 4, device, LAYERS, max_length=1024)
         for algorithm in args.algorithms.split(","):
             graphs0 = counters["stats"]["unique_graphs"]
             eager = passes(tmp, tiny, train, algorithm, False, args.steps, device)

@@ -38,15 +38,11 @@ def main() -> int:
     from deepspec.cache.build.fill import StoreFill
     from deepspec.config import CacheConfig, TrainConfig
     from deepspec.devices import local_device
-    from deepspec.params import load_params
     from deepspec.train.callbacks import Callback
     from deepspec.train.run import build_trainer, capture_counts
 
     device = torch.device("cpu") if args.cpu else local_device()
-    defaults = load_params(REPO / "params.yaml").train
-    keys = ("block_size", "draft_layers", "markov_rank", "anchors_per_sample", "batch_size", "grad_accum", "lr",
-            "warmup_steps")
-    train = {k: getattr(defaults, k) for k in keys}
+    train = gpu_check.default_train()
 
     class FirstStep(Callback):
         def on_step_end(self, trainer, metrics):

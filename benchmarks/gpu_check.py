@@ -118,6 +118,46 @@ def conversations(n: int, seed: int) -> list[dict]:
     return rows
 
 
+# ---- what the training benchmarks share ------------------------------------------------------------
+
+DRAFT_KEYS = ("block_size", "draft_layers", "markov_rank", "anchors_per_sample", "batch_size", "grad_accum", "lr",
+              "warmup_steps")
+
+
+def default_train(*extra: str) -> dict:
+    """params.yaml's train settings that shape the draft and its batches (the embedded default's), and `extra`."""
+    from deepspec.params import load_params
+
+    defaults = load_params(REPO / "params.yaml").train
+    return {k: getattr(defaults, k) for k in (*DRAFT_KEYS, *extra)}
+
+
+def tiny_store(work: Path, rows: int, seed: int, device: torch.device, layers: list[int], **cache) -> Path:
+    """builtin:tiny at work/tiny, `rows` conversations at work/regen.jsonl and their cache at
+    work/cache.zarr (`cache`: CacheConfig settings; default the device's batch size); returns the target."""
+    from deepspec.cache.build.stage import build_cache
+    from deepspec.config import CacheConfig
+
+    tiny = shipped_target(work / "tiny")
+    regen = work / "regen.jsonl"
+    regen.write_text("".join(json.dumps(r) + "\n" for r in conversations(rows, seed=seed)))
+    cache.setdefault("batch_tokens", SIZES[device.type]["batch_tokens"])
+    build_cache(CacheConfig(url=str(work / "cache.zarr"), **cache), layers, regen, tiny, device=device)
+    return tiny
+
+
+def eagle3_layers(layers: list[int]) -> list[int]:
+    """EAGLE-3's three of `layers`: the lowest, the middle and the highest."""
+    ordered = sorted(layers)
+    return [ordered[0], ordered[len(ordered) // 2], ordered[-1]]
+
+
+def resident(trainer, micro_batches: int) -> list[dict]:
+    """The next `micro_batches` batches of the trainer's own loader, kept (on its device)."""
+    source = trainer.batches()
+    return [next(source) for _ in range(micro_batches)]
+
+
 # ---- sections --------------------------------------------------------------------------------------
 
 class Clock:

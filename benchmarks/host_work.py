@@ -99,15 +99,12 @@ def measure(work: Path, target: Path, algorithm: str, compile_: str, steps: int,
     cfg = TrainConfig(**dict(size["train"], num_workers=0), algorithm=algorithm, steps=10 ** 6, warmup_steps=1,
                       lr=1e-3, draft_layers=1,
                       **({} if compile_ == "auto" else {"compile": compile_ == "true"}))
-    if algorithm == "eagle3":  # its lowest, middle and highest
-        layers = [sorted(layers)[0], sorted(layers)[len(layers) // 2], sorted(layers)[-1]]
+    layers = gpu_check.eagle3_layers(layers) if algorithm == "eagle3" else layers
     trainer = build_trainer(cfg, layers, str(work / "cache.zarr"), target, work / f"train-{algorithm}",
                             work / f"state-{algorithm}-{compile_}", device=device)
     trainer.module.train()
-    source = trainer.batches()
     warm = 3
-    resident = [next(source) for _ in range((warm + 2 * steps) * cfg.grad_accum)]
-    del source
+    resident = gpu_check.resident(trainer, (warm + 2 * steps) * cfg.grad_accum)
     batches = iter(resident)
     t0 = time.perf_counter()
     for _ in range(warm):
@@ -177,20 +174,13 @@ def main() -> int:
     ap.add_argument("--compile", default="auto", help="train.compile settings to measure, comma-separated (auto, true, false)")
     ap.add_argument("--label", default="now", help="the figures' middle name (before, after, ...)")
     args = ap.parse_args()
-    from deepspec.cache.build.stage import build_cache
-    from deepspec.config import CacheConfig
     from deepspec.devices import local_device
 
     device = torch.device("cpu") if args.cpu else local_device()
-    size = gpu_check.SIZES[device.type]
     rows = []
     with tempfile.TemporaryDirectory(prefix="host-work-") as tmp:
         tmp = Path(tmp)
-        tiny = gpu_check.shipped_target(tmp / "tiny")
-        regen = tmp / "regen.jsonl"
-        regen.write_text("".join(json.dumps(r) + "\n" for r in gpu_check.conversations(args.rows, seed=4)))
-        build_cache(CacheConfig(url=str(tmp / "cache.zarr"), batch_tokens=size["batch_tokens"], max_length=1024),
-                    LAYERS, regen, tiny, device=device)
+        tiny = gpu_check.tiny_store(tmp, args.rows, 4, device, LAYERS, max_length=1024)
         for algorithm in args.algorithms.split(","):
             for compile_ in args.compile.split(","):
                 rows.append(measure(tmp, tiny, algorithm, compile_, args.steps, device))

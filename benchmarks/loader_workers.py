@@ -11,7 +11,6 @@ embedded default's train params (params.yaml) runs `steps` steps through `Traine
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -54,24 +53,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--workers", default="0,1,2")
     args = ap.parse_args()
-    from deepspec.cache.build.stage import build_cache
-    from deepspec.config import CacheConfig
     from deepspec.devices import local_device, loader_workers
-    from deepspec.params import load_params
 
     device = torch.device("cpu") if args.cpu else local_device()
-    defaults = load_params(REPO / "params.yaml").train
-    keys = ("block_size", "draft_layers", "markov_rank", "anchors_per_sample", "batch_size", "grad_accum", "lr",
-            "warmup_steps")
-    train = {k: getattr(defaults, k) for k in keys}
+    train = gpu_check.default_train()
     counts = [int(w) for w in args.workers.split(",")]
     best: dict = {}
     with tempfile.TemporaryDirectory(prefix="loader-workers-") as tmp:
         tmp = Path(tmp)
-        tiny = gpu_check.shipped_target(tmp / "tiny")
-        regen = tmp / "regen.jsonl"
-        regen.write_text("".join(json.dumps(r) + "\n" for r in gpu_check.conversations(args.rows, seed=5)))
-        build_cache(CacheConfig(url=str(tmp / "cache.zarr")), LAYERS, regen, tiny, device=device)
+        tiny = gpu_check.tiny_store(tmp, args.rows, 5, device, LAYERS, batch_tokens=8192)
         for round_ in range(2):
             for w in counts:
                 r = run(tmp, tiny, train, w, args.steps, device, f"{w}-{round_}")
