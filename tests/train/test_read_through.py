@@ -349,8 +349,9 @@ def test_sigkill_of_a_read_through_run_at_random_moments_loses_nothing_and_train
     run_stage(clean, "train", env)
     crash = stage_dir(tmp_path / "crash", trained_target, steps=60)
     run_stage(crash, "cache", env)
-    assert not list((crash / "data" / "cache.zarr").glob("parts/p*"))  # the plan computes nothing
-    store = crash / "data" / "cache.zarr"
+    store = crash / "data" / "cache-read-through.zarr"  # the train stage's store (naming.read_through_url)
+    # the plan computes nothing
+    assert not list((crash / "data" / "cache.zarr").glob("parts/p*")) and not store.exists()
     state = crash / "data" / "train_state"
     rng = random.Random(int(os.environ.get("DEEPSPEC_TEST_SEED", "0")))
     from deepspec.cache.backends.readers import open_cache
@@ -379,7 +380,7 @@ def test_sigkill_of_a_read_through_run_at_random_moments_loses_nothing_and_train
     # the rerun kept every part committed before the last kill and computed the others once
     assert final["parts_kept"] == kept[-1] and final["parts_kept"] + final["parts_computed"] == parts
     assert same_weights(clean / "data" / "draft", crash / "data" / "draft")
-    assert store_files(str(clean / "data" / "cache.zarr")) == store_files(str(store))
+    assert store_files(str(clean / "data" / "cache-read-through.zarr")) == store_files(str(store))
 
 
 # ---- capture ranks under torchrun ---------------------------------------------------------------------
@@ -419,7 +420,7 @@ def test_capture_ranks_train_the_in_process_draft_and_a_kill_9_of_either_role_lo
     parts = json.loads((clean / "data" / "train" / "metrics.json").read_text())["parts_computed"]
     ranks = one_thread(stage_dir(tmp_path / "ranks", trained_target, rows, steps=60, threads=1, capture_ranks=1))
     run_stage(ranks, "cache", env)
-    store, state = ranks / "data" / "cache.zarr", ranks / "data" / "train_state"
+    store, state = ranks / "data" / "cache-read-through.zarr", ranks / "data" / "train_state"
 
     def committed() -> int:
         return len(open_cache(str(store)).committed_parts()) if (store / "zarr.json").exists() else 0
@@ -454,8 +455,9 @@ def test_capture_ranks_train_the_in_process_draft_and_a_kill_9_of_either_role_lo
     assert final["parts_kept"] == kept[-1] and final["parts_kept"] + final["parts_computed"] == parts
     assert same_weights(clean / "data" / "draft", ranks / "data" / "draft")
     # a part's commit record names the rank that wrote it: here capture rank 0 or 1
-    assert store_files_any_rank(str(clean / "data" / "cache.zarr")) == store_files_any_rank(str(store))
-    assert dict(CacheReader(str(clean / "data" / "cache.zarr")).manifest) == dict(CacheReader(str(store)).manifest)
+    filled = str(clean / "data" / "cache-read-through.zarr")
+    assert store_files_any_rank(filled) == store_files_any_rank(str(store))
+    assert dict(CacheReader(filled).manifest) == dict(CacheReader(str(store)).manifest)
 
 
 def _capture_rank_fails_on_its_third_part(rank: int, port: int, work: Path, recorded: dict, threads: int) -> None:
