@@ -88,7 +88,10 @@ def committed(url: str) -> dict[str, int]:
     """part name -> rank, of the parts marked committed"""
     out = {}
     for meta in sorted(Path(url, "parts").glob("*/zarr.json")):
-        attrs = json.loads(meta.read_text())["attributes"]
+        try:
+            attrs = json.loads(meta.read_text())["attributes"]
+        except ValueError:  # a part's first record being written while a crashing rank polls: not committed
+            continue
         if attrs.get("committed"):
             out[meta.parent.name] = attrs["rank"]
     return out
