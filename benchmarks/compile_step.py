@@ -115,7 +115,8 @@ def main() -> int:
           f"{'break-even steps':>18}{'graphs':>8}")
     for r in rows:
         print(f"{r['algorithm']:<10}{r['eager_tokens_per_s']:>13}{r['compiled_tokens_per_s']:>11}"
-              f"{r['compiled_vs_eager']:>8}{'> 1':>7}{r['compile_s']:>11}{str(r['break_even_steps']):>18}{r['graphs']:>8}")
+              f"{r['compiled_vs_eager']:>8}{'> 1':>7}{r['compile_s']:>11}{str(r['break_even_steps']):>18}"
+              f"{r['graphs']:>8}")
         print(f"FIGURE compile_step.{device.type}.{r['algorithm']}.compiled_vs_eager = {r['compiled_vs_eager']}")
         print(f"FIGURE compile_step.{device.type}.{r['algorithm']}.compile_s = {r['compile_s']}")
     return 0

@@ -81,7 +81,8 @@ def main() -> int:
     for r in rows:
         print(f"{str(r['window_parts']):>13}{r['parts']:>7}{r['parts_before_first_step']:>25}"
               f"{'<= 2' if r['window_parts'] == 'auto' else '':>7}{r['first_step_s']:>14}")
-        print(f"FIGURE first_step.{device.type}.w{r['window_parts']}.parts_before_first_step = {r['parts_before_first_step']}")
+        key = f"first_step.{device.type}.w{r['window_parts']}.parts_before_first_step"
+        print(f"FIGURE {key} = {r['parts_before_first_step']}")
     return 0
 
 

@@ -71,7 +71,8 @@ def prepared(tmp: Path, kind: str, target: Path, device: torch.device) -> Path:
         return work
     work.mkdir(exist_ok=True)
     regen = work / "regen.jsonl"
-    regen.write_text("".join(json.dumps(r) + "\n" for r in gpu_check.conversations(size[f"{kind}_rows"], seed=len(kind))))
+    rows = gpu_check.conversations(size[f"{kind}_rows"], seed=len(kind))
+    regen.write_text("".join(json.dumps(r) + "\n" for r in rows))
     build_cache(CacheConfig(url=str(work / "cache.zarr"), batch_tokens=size["batch_tokens"], max_length=1024),
                 LAYERS[kind], regen, target, device=device)
     return work

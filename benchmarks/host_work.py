@@ -13,8 +13,8 @@ kernel launch and some host time. Allocations are op outputs in storage none of 
 CUDA: `_local_scalar_dense`, `nonzero`, indexing with a bool mask). The same counts for the model's
 forward and backward alone, on the same micro-batches with the same anchors, give what the trainer adds.
 A compiled step's kernels are not dispatched op by op, so it is counted only by its kernel launches (on
-CUDA, the profiler's launch events) and its host time. Host ms per step: on CUDA the time the step's Python takes until it returns (the GPU runs behind), on
-the CPU the step's wall time (math included).
+CUDA, the profiler's launch events) and its host time. Host ms per step: on CUDA the time the step's
+Python takes until it returns (the GPU runs behind), on the CPU the step's wall time (math included).
 """
 from __future__ import annotations
 
@@ -156,8 +156,8 @@ def measure(work: Path, target: Path, algorithm: str, compile_: str, steps: int,
     clock.now()
     per = lambda v: round(v / steps, 1)  # noqa: E731
     step_ops, model_ops = sum(step_count.ops.values()), sum(model_count.ops.values())
-    return {"algorithm": algorithm, "compile": compile_, "compiled": False, "steps": steps, "grad_accum": cfg.grad_accum,
-            "batch_size": cfg.batch_size, "warm_up_s": round(warm_s, 2),
+    return {"algorithm": algorithm, "compile": compile_, "compiled": False, "steps": steps,
+            "grad_accum": cfg.grad_accum, "batch_size": cfg.batch_size, "warm_up_s": round(warm_s, 2),
             "ops": per(step_ops), "model_ops": per(model_ops), "trainer_ops": per(step_ops - model_ops),
             "allocations": per(step_count.allocations), "model_allocations": per(model_count.allocations),
             "value_reads": per(step_count.reads), "model_value_reads": per(model_count.reads),
@@ -171,7 +171,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--algorithms", default="dspark,eagle3")
-    ap.add_argument("--compile", default="auto", help="train.compile settings to measure, comma-separated (auto, true, false)")
+    ap.add_argument("--compile", default="auto",
+                    help="train.compile settings to measure, comma-separated (auto, true, false)")
     ap.add_argument("--label", default="now", help="the figures' middle name (before, after, ...)")
     args = ap.parse_args()
     from deepspec.devices import local_device

@@ -43,7 +43,8 @@ def run(work: Path, target: Path, train: dict, workers: int, steps: int, device,
     for _ in range(steps):
         trainer.step(batches)
     wall = clock.now() - t0
-    return {"tokens_per_s": (trainer.state.tokens - tokens0) / wall, "data_wait_fraction": (trainer.data_wait_s - wait0) / wall}
+    return {"tokens_per_s": (trainer.state.tokens - tokens0) / wall,
+            "data_wait_fraction": (trainer.data_wait_s - wait0) / wall}
 
 
 def main() -> int:
@@ -71,14 +72,16 @@ def main() -> int:
                     best[w] = r
     fastest = max(best, key=lambda w: best[w]["tokens_per_s"])
     auto = loader_workers("auto", device)
-    print(f"\ntrain.num_workers on {device} ({train['batch_size']} rows a batch, {args.steps} steps, the better of 2 runs):")
+    print(f"\ntrain.num_workers on {device} ({train['batch_size']} rows a batch, {args.steps} steps, "
+          "the better of 2 runs):")
     print(f"{'workers':>8}{'tokens/s':>11}{'vs fastest':>12}{'data wait':>11}")
     for w in counts:
         r = best[w]
         print(f"{w:>8}{r['tokens_per_s']:>11.0f}{r['tokens_per_s'] / best[fastest]['tokens_per_s']:>12.3f}"
               f"{r['data_wait_fraction']:>11.4f}")
         print(f"FIGURE loader_workers.{device.type}.w{w}.data_wait_fraction = {r['data_wait_fraction']:.4f}")
-        print(f"FIGURE loader_workers.{device.type}.w{w}.vs_fastest = {r['tokens_per_s'] / best[fastest]['tokens_per_s']:.3f}")
+        ratio = r["tokens_per_s"] / best[fastest]["tokens_per_s"]
+        print(f"FIGURE loader_workers.{device.type}.w{w}.vs_fastest = {ratio:.3f}")
     print(f"fastest: {fastest} workers; num_workers: auto gives {auto} on {device.type}")
     return 0
 

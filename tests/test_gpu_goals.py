@@ -21,5 +21,6 @@ def test_the_gpu_goals_command_runs_every_section_on_the_cpu(tmp_path):
     assert result["train.tiny"]["ratio"] > 0 and result["host.tiny"]["ops"] > 0
     # on the CPU (deterministic) both runs train on the same batches and give the same draft
     assert result["read-through"]["same_batches"] and result["read-through"]["same_draft"]
-    for line in ("capture vs plain forward (tiny)", "loader vs resident (defaults) (tiny)", "read-through draft == offline"):
+    for line in ("capture vs plain forward (tiny)", "loader vs resident (defaults) (tiny)",
+                 "read-through draft == offline"):
         assert line in proc.stdout

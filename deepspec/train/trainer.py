@@ -23,8 +23,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from deepspec import distributed
-from deepspec.devices import loader_workers
 from deepspec.config import TrainConfig
+from deepspec.devices import loader_workers
 from deepspec.loader.batches import Batches
 from deepspec.loader.prefetch import Prefetcher
 from deepspec.loader.sampler import GROWING, ResumableBatchSampler
