@@ -132,17 +132,24 @@ def default_train(*extra: str) -> dict:
     return {k: getattr(defaults, k) for k in (*DRAFT_KEYS, *extra)}
 
 
-def tiny_store(work: Path, rows: int, seed: int, device: torch.device, layers: list[int], **cache) -> Path:
-    """builtin:tiny at work/tiny, `rows` conversations at work/regen.jsonl and their cache at
-    work/cache.zarr (`cache`: CacheConfig settings; default the device's batch size); returns the target."""
+def cached(work: Path, target: Path, rows: int, seed: int, device: torch.device, layers: list[int], **cache) -> Path:
+    """`rows` conversations at work/regen.jsonl and `target`'s cache of them at work/cache.zarr (`cache`:
+    CacheConfig settings; default the device's batch size); returns `work`."""
     from deepspec.cache.build.stage import build_cache
     from deepspec.config import CacheConfig
 
-    tiny = shipped_target(work / "tiny")
+    work.mkdir(parents=True, exist_ok=True)
     regen = work / "regen.jsonl"
     regen.write_text("".join(json.dumps(r) + "\n" for r in conversations(rows, seed=seed)))
     cache.setdefault("batch_tokens", SIZES[device.type]["batch_tokens"])
-    build_cache(CacheConfig(url=str(work / "cache.zarr"), **cache), layers, regen, tiny, device=device)
+    build_cache(CacheConfig(url=str(work / "cache.zarr"), **cache), layers, regen, target, device=device)
+    return work
+
+
+def tiny_store(work: Path, rows: int, seed: int, device: torch.device, layers: list[int], **cache) -> Path:
+    """builtin:tiny at work/tiny and its cache of `rows` conversations (`cached`); returns the target."""
+    tiny = shipped_target(work / "tiny")
+    cached(work, tiny, rows, seed, device, layers, **cache)
     return tiny
 
 

@@ -62,20 +62,11 @@ def targets(tmp: Path, device: torch.device) -> dict:
 
 def prepared(tmp: Path, kind: str, target: Path, device: torch.device) -> Path:
     """work dir of `kind` with regen.jsonl and cache.zarr (built once, shared by the sections)."""
-    from deepspec.cache.build.stage import build_cache
-    from deepspec.config import CacheConfig
-
-    size = gpu_check.SIZES[device.type]
     work = tmp / f"work-{kind}"
     if (work / "cache.zarr").exists():
         return work
-    work.mkdir(exist_ok=True)
-    regen = work / "regen.jsonl"
-    rows = gpu_check.conversations(size[f"{kind}_rows"], seed=len(kind))
-    regen.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    build_cache(CacheConfig(url=str(work / "cache.zarr"), batch_tokens=size["batch_tokens"], max_length=1024),
-                LAYERS[kind], regen, target, device=device)
-    return work
+    rows = gpu_check.SIZES[device.type][f"{kind}_rows"]
+    return gpu_check.cached(work, target, rows, len(kind), device, LAYERS[kind], max_length=1024)
 
 
 def section_capture(tmp, kind, target, device) -> dict:

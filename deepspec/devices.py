@@ -36,8 +36,13 @@ def writer_threads(device: torch.device | str) -> int:
     GPU computes states faster than one thread checksums and writes them (docs/gpu-recipe.md)."""
     if torch.device(device).type == "cpu":
         return 1
+    return max(1, min(8, _rank_cores() - 1))
+
+
+def _rank_cores() -> int:
+    """The cores this process may use, shared with the node's other ranks (LOCAL_WORLD_SIZE)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(8, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))) - 1))
+    return cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 # loading processes beside an accelerator: gpu_check on an H200 (16 cores, one rank) waited for data
@@ -54,9 +59,7 @@ def loader_workers(setting: int | str, device: torch.device | str) -> int:
         return int(setting)
     if torch.device(device).type == "cpu":
         return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    share = cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    return max(1, min(ACCELERATOR_LOADERS, share - 1))
+    return max(1, min(ACCELERATOR_LOADERS, _rank_cores() - 1))
 
 
 def separate_writer(device: torch.device | str) -> bool:

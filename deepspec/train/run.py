@@ -256,7 +256,7 @@ def read_through(trainer: Trainer, fill: StoreFill | RanksFill) -> None:
     a function of the plan and the seed, so the draft is the one an offline run with the same
     settings (the same train.window_parts) trains on the finished store, whatever the timing."""
     names = fill.plan().names
-    part_of = trainer.dataset.sample_parts()
+    part_of = trainer.sampler.parts  # the trainer gives a read-through run's sampler every sample's part
     fill.compute([names[p] for p in trainer.sampler.part_order(0)])
     first = FirstStepParts()
     trainer.callbacks.append(first)
