@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="manifests whose parts stay (e.g. data/cache/manifest.json of each workspace); the "
                          "store's own root is always kept")
     gc.add_argument("--delete", action="store_true", help="delete them (under the store's lease)")
+    gc.add_argument("--wait", type=float, default=600.0, metavar="SECONDS",
+                    help="with --delete: how long to wait for the lease while a cache stage holds it (0: fail at "
+                         "once)")
     gc.add_argument("--storage-options", help="JSON dict passed to fsspec (e.g. endpoint_url)")
     est = cmds.add_parser("estimate", help="bytes/token and total size for a target shape")
     est.add_argument("--hidden-size", type=int, required=True)
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "gc":
             from deepspec.cache.tools.gc import collect
 
-            out = collect(args.url, args.keep, _storage_options(args.storage_options), args.delete)
+            out = collect(args.url, args.keep, _storage_options(args.storage_options), args.delete, args.wait)
         elif args.cmd == "ls":
             from deepspec.cache.storage.naming import list_stores
 

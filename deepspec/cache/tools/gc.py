@@ -8,6 +8,10 @@ manifest given with `--keep` (a `data/cache/manifest.json` of each workspace or 
 stay readable, e.g. `git show <rev>:data/cache/manifest.json > m.json`) are kept; every other
 committed part, and every index object none of them names, is listed, and with `delete=True`
 deleted, under the store's lease (no cache stage writes meanwhile).
+
+The lease is taken *before* the root is read: a cache stage that committed parts and switched the
+root to them between gc's read and its lease would otherwise have those parts deleted (and on S3
+every reader then fails on them). A dry run takes no lease, so what it lists can be stale.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import json
 import logging
 
 from deepspec.cache.spec.format import CacheFormatError
-from deepspec.cache.write.lease import acquire
+from deepspec.cache.write.lease import acquire_waiting
 from deepspec.cache.spec.manifest import Manifest
 from deepspec.cache.backends.writers import open_for_write
 from deepspec.cache.backends.readers import open_cache
@@ -41,19 +45,25 @@ def _kept_manifest(path: str, url: str, storage_options: dict | None) -> Manifes
     return Manifest.from_dict(raw, f"--keep {path}")
 
 
-def collect(url: str, keep: list[str], storage_options: dict | None = None, delete: bool = False) -> dict:
+def collect(url: str, keep: list[str], storage_options: dict | None = None, delete: bool = False,
+            wait: float = 0.0) -> dict:
     """The committed parts and index objects of `url` that neither its root nor any `keep` manifest
-    lists; deleted when `delete` (else a dry run). Returns what was found (and removed)."""
-    store = open_cache(url, storage_options)
-    root = store.read_manifest()
-    manifests = [root] + [_kept_manifest(path, url, storage_options) for path in keep]
-    for m, path in zip(manifests[1:], keep):
-        if m.storage != root.storage:
-            raise CacheFormatError(f"--keep {path}: a {m.storage} manifest; {url} is a {root.storage} store")
-    listed = {p.name for m in manifests for p in m.parts}
-    indexes = {m.index["key"] for m in manifests if m.index}
-    lease = acquire(url, storage_options) if delete else None
+    lists; deleted when `delete`, under the store's lease, waited for up to `wait` seconds (a cache
+    stage holds it for minutes). Else a dry run: no lease, so a cache stage writing meanwhile can
+    make its list stale. Returns what was found (and removed)."""
+    kept = [_kept_manifest(path, url, storage_options) for path in keep]  # a bad --keep fails before any wait
+    open_cache(url, storage_options)  # a path with no store fails here: taking a lease would create its directory
+    lease = acquire_waiting(url, storage_options, wait) if delete else None
     try:
+        # everything that decides what is deleted is read under the lease: the root a writer switched
+        # while gc waited lists the parts it just committed
+        root = open_cache(url, storage_options).read_manifest()
+        manifests = [root] + kept
+        for m, path in zip(kept, keep):
+            if m.storage != root.storage:
+                raise CacheFormatError(f"--keep {path}: a {m.storage} manifest; {url} is a {root.storage} store")
+        listed = {p.name for m in manifests for p in m.parts}
+        indexes = {m.index["key"] for m in manifests if m.index}
         writable = open_for_write(url, root.storage, storage_options)
         committed = set(writable.committed_parts())
         unlisted = sorted(committed - listed)
@@ -71,6 +81,9 @@ def collect(url: str, keep: list[str], storage_options: dict | None = None, dele
     finally:
         if lease is not None:
             lease.release()
-    return {"url": url, "kept_manifests": len(manifests), "parts_committed": len(committed),
-            "parts_listed": len(listed & committed), "unlisted_parts": unlisted, "unlisted_indexes": stale_indexes,
-            "listed_but_missing": missing, "deleted": delete}
+    out = {"url": url, "kept_manifests": len(manifests), "parts_committed": len(committed),
+           "parts_listed": len(listed & committed), "unlisted_parts": unlisted, "unlisted_indexes": stale_indexes,
+           "listed_but_missing": missing, "deleted": delete}
+    if not delete:
+        out["note"] = "dry run, no lease taken: a cache stage writing meanwhile can make this list stale"
+    return out

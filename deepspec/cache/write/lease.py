@@ -26,6 +26,7 @@ import errno
 import json
 import logging
 import os
+import time
 
 from deepspec.cache.storage.urls import is_remote, local_path
 from deepspec.cache.write.holder import (DEFAULT_TTL_S, LEASE_NAME, MAX_TTL_S, Lease, LeaseError,  # noqa: F401
@@ -42,6 +43,27 @@ def acquire(url: str, storage_options: dict | None = None, run_id: str | None = 
     if is_remote(url):
         return NoLease(url, run_id)
     return LocalLease(url, run_id, ttl, host).acquire()
+
+
+def acquire_waiting(url: str, storage_options: dict | None = None, wait: float = 0.0, run_id: str | None = None,
+                    ttl: float = DEFAULT_TTL_S, host: str | None = None) -> Lease:
+    """`acquire`, retrying for up to `wait` seconds while the lease is refused (a cache stage holds it
+    for minutes; neither lease blocks by itself); then the last LeaseError, naming the holder. A
+    refusal that waiting cannot cure (a symlinked lease file) is logged at once, so nobody waits blind."""
+    deadline = time.monotonic() + max(0.0, wait)
+    pause, told = 0.5, False
+    while True:
+        try:
+            return acquire(url, storage_options, run_id, ttl, host)
+        except LeaseError as e:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            if not told:
+                log.warning("%s: waiting up to %.0f s for the lease: %s", url, left, e)
+                told = True
+            time.sleep(min(pause, left))
+            pause = min(pause * 1.5, 2.0)  # prompt after a short hold, few requests during a long one
 
 
 def join(url: str, storage_options: dict | None, run_id: str) -> Lease:
