@@ -291,3 +291,15 @@ def test_the_root_manifest_is_replaced_only_if_it_is_what_the_writer_read(s3_sto
         w.close()
     w.release()
     assert s3.get_object(Bucket=bucket, Key=key)["Body"].read() == theirs
+
+
+@pytest.mark.parametrize("pid", [10**20, -1, "7", True, 2.5])
+def test_a_hostile_lease_pid_is_a_lease_error_not_an_overflow(s3_store, moto, pid):
+    """A body of this host, boot and PID namespace whose pid is out of its type's range: an
+    unreadable lease (held until it expires), never an OverflowError from os.kill."""
+    from deepspec.cache.write.holder import LeaseError
+
+    url, so = s3_store
+    _plant(moto, url, pid=pid)
+    with pytest.raises(LeaseError, match="an unknown writer"):
+        CacheWriter(url, MANIFEST, so)

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from deepspec.cache.spec.format import FORMAT, INDEX_COLUMNS, INDEX_COLUMNS_V2, CacheFormatError, key_from_str
+from deepspec.cache.spec.format import FORMAT, INDEX_COLUMNS, INDEX_COLUMNS_V2, CacheFormatError, key_from_str, parsing
 from deepspec.cache.spec.manifest import Manifest, PartEntry
 
 
@@ -97,7 +97,7 @@ class CacheStore(ABC):
             bad = [f"{n} ({a['damaged']})" for n, a in listed.items() if "damaged" in a]
             if bad:
                 raise CacheFormatError(f"{self.url}: committed part {bad[0]} cannot be read")
-            m.parts = [entry_of(n, a) for n, a in listed.items()]
+            m.parts = [entry_of(n, a, f"{self.url}: ") for n, a in listed.items()]
             self._listed = index_rows(m.parts, {n: self.part_rows(n, a) for n, a in listed.items()},
                                       keys=m.format_version >= 3)
         return m
@@ -150,14 +150,9 @@ class CacheStore(ABC):
         them (a v2/v3 Zarr part), else read from its `offsets`, `sample_id` and `sample_key` arrays.
         `keys` is None for a part written before v3."""
         if "lengths" in attrs and "sample_ids" in attrs:
-            ids = attrs["sample_ids"]
-            ids = [int(v, 16) for v in ids] if len(ids) and isinstance(ids[0], str) else ids
-            keys = attrs.get("keys")
-            if keys is not None:
-                keys = np.asarray([key_from_str(k) if isinstance(k, str) else k for k in keys],
-                                  dtype=np.uint64).reshape(-1, 2)
-            return PartRows(np.asarray(attrs["lengths"], dtype=np.int64), np.asarray(ids, dtype=np.uint64), keys)
-        entry = entry_of(name, attrs)
+            with parsing(f"{self.url}: parts/{name}: commit record"):
+                return record_rows(attrs, entry_of(name, attrs, f"{self.url}: "))
+        entry = entry_of(name, attrs, f"{self.url}: ")
         offsets = np.asarray(self.read_slow(entry, "offsets", 0, entry.samples + 1), dtype=np.int64)
         ids = np.asarray(self.read_slow(entry, "sample_id", 0, entry.samples), dtype=np.uint64)
         keys = None
@@ -236,12 +231,13 @@ class WritableStore(CacheStore):
             return
         import os
 
-        from deepspec.cache.storage.urls import inside_store, local_path
+        from deepspec.cache.storage.door import resolve
+        from deepspec.cache.storage.urls import local_path
 
         root = os.fspath(local_path(self.url))
         for name in sorted(self.layout_entries):
             if os.path.isdir(os.path.join(root, name)):
-                inside_store(root, name, roots=(os.path.realpath(root),))
+                resolve(root, name, roots=(os.path.realpath(root),))
 
     @abstractmethod
     def refuse_foreign(self, keep: set[str]) -> None:
@@ -294,9 +290,27 @@ class PartRows:
         return iter((self.lengths, self.sample_ids))
 
 
-def entry_of(name: str, attrs: dict) -> PartEntry:
+def entry_of(name: str, attrs: dict, where: str = "") -> PartEntry:
     """A part's manifest entry from its commit record (CacheStore.committed_parts)."""
-    return PartEntry.of(name, attrs["samples"], attrs["tokens"], attrs.get("chunk_index"))
+    with parsing(f"{where}parts/{name}: commit record"):
+        return PartEntry.of(name, attrs["samples"], attrs["tokens"], attrs.get("chunk_index"), where)
+
+
+def record_rows(attrs: dict, entry: PartEntry) -> PartRows:
+    """A commit record's lengths, sample ids (ints, or hex strings) and keys, each checked for its
+    type and range (a length of 2**64 - 5 must not become -5) before any is used."""
+    lengths, ids, keys = attrs["lengths"], attrs["sample_ids"], attrs.get("keys")
+    for field, values in (("lengths", lengths), ("sample_ids", ids), ("keys", keys)):
+        if values is not None and (not isinstance(values, (list, np.ndarray)) or len(values) != entry.samples):
+            raise ValueError(f"{field}: not a list of its {entry.samples} samples")
+    if any(type(v) is not int and not isinstance(v, np.integer) or not 1 <= v <= entry.tokens for v in lengths):
+        raise ValueError(f"lengths: not all whole numbers in [1, {entry.tokens}]")
+    ids = [int(v, 16) if isinstance(v, str) else v for v in ids]
+    if any(type(v) is not int and not isinstance(v, np.integer) or not 0 <= v < 2**64 for v in ids):
+        raise ValueError("sample_ids: not all 64-bit ids")
+    if keys is not None:
+        keys = np.asarray([key_from_str(k) if isinstance(k, str) else k for k in keys], dtype=np.uint64).reshape(-1, 2)
+    return PartRows(np.asarray(lengths, dtype=np.int64), np.asarray(ids, dtype=np.uint64), keys)
 
 
 def index_rows(parts: list[PartEntry], rows: dict[str, PartRows], keys: bool = True) -> np.ndarray:
@@ -326,7 +340,9 @@ def index_rows(parts: list[PartEntry], rows: dict[str, PartRows], keys: bool = T
 
 def split_index(index: np.ndarray, parts: list[PartEntry], url: str = "") -> tuple[list, list, list | None]:
     """Per part: offsets int64 [n + 1], sample ids uint64 [n] and keys uint64 [n, 2] (None for a
-    4-column index, v2), checked against the parts list."""
+    4-column index, v2), checked against the parts list: every length in [1, the part's tokens],
+    checked as uint64 before it is cast (2**64 - 5 must not become -5). The manifest's `max_length`
+    is not a bound here: a store imported or written by other code may hold longer samples."""
     counts = np.array([p.samples for p in parts], dtype=np.int64)
     if len(index) != int(counts.sum()):
         raise CacheFormatError(f"{url}: index has {len(index)} rows, the parts list {int(counts.sum())} samples")
@@ -338,6 +354,11 @@ def split_index(index: np.ndarray, parts: list[PartEntry], url: str = "") -> tup
     start = 0
     for p, n in zip(parts, counts):
         block = index[start:start + n]
+        cap = p.tokens
+        bad = np.flatnonzero((block[:, 2] < 1) | (block[:, 2] > cap))
+        if len(bad):
+            raise CacheFormatError(f"{url}: index row {start + int(bad[0])} (parts/{p.name}): length "
+                                   f"{int(block[bad[0], 2])} is not in [1, {cap}]")
         o = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(block[:, 2].astype(np.int64), out=o[1:])
         if n and (not np.array_equal(block[:, 1].astype(np.int64), o[:-1]) or o[-1] != p.tokens):

@@ -20,6 +20,7 @@ from deepspec.cache.spec.format import encode_hidden, hidden_name, part_arrays, 
 from deepspec.cache.write.lease import acquire
 from deepspec.cache.write.part_data import PartData
 from deepspec.cache.read.reader import CacheReader
+from deepspec.cache.storage import door
 from deepspec.cache.storage.urls import is_remote, local_path, storage_options_for
 from deepspec.cache.storage.fenced import PartConflict, refused_as_existing
 from deepspec.cache.write.writer import CacheWriter
@@ -166,8 +167,10 @@ class Source:
         from zarr.core.buffer import default_buffer_prototype
         from zarr.core.sync import sync
 
-        if not self.remote and not writer.remote:
-            self.methods.add(link_file(local_path(self.url) / src_key, local_path(writer.url) / dst_key))
+        if not self.remote and not writer.remote:  # the source's file, as the door finds it (never a link out)
+            root = str(local_path(self.url))
+            os.close(door.open_fd(root, src_key))
+            self.methods.add(link_file(door.resolve(root, src_key), local_path(writer.url) / dst_key))
             return
         store = writer.root.store
         if (self.remote and writer.remote and self.url.startswith("s3://") and writer.url.startswith("s3://")
@@ -177,7 +180,7 @@ class Source:
             self.methods.add("s3-copy")
             return
         fs, root = self._filesystem() if self.remote else (None, None)
-        data = fs.cat_file(f"{root}/{src_key}") if self.remote else (local_path(self.url) / src_key).read_bytes()
+        data = fs.cat_file(f"{root}/{src_key}") if self.remote else door.read_file(str(local_path(self.url)), src_key, limit=None)
         sync(store.set(dst_key, default_buffer_prototype().buffer.from_bytes(data)))
         self.methods.add("copy")
 

@@ -14,7 +14,8 @@ import os
 import threading
 
 from deepspec.cache.spec.format import CacheFormatError
-from deepspec.cache.storage.urls import inside_store, is_remote, link_roots, storage_options_for
+from deepspec.cache.storage import door
+from deepspec.cache.storage.urls import is_remote, storage_options_for
 
 MAX_OPEN_FILES = 256
 
@@ -70,7 +71,7 @@ class ByteRanges:
             self.async_reads = bool(getattr(fs, "async_impl", False)) and not cache_dir
         else:
             self.root = url.removeprefix("file://")
-            self._roots = link_roots(self.root)
+            self._roots = door.link_roots(self.root)
 
     def fd(self, key: str) -> int:
         """An open read-only descriptor of local file `key`, kept for the next read (the least
@@ -78,7 +79,7 @@ class ByteRanges:
         with self._lock:
             fd = self._fds.pop(key, None)
             if fd is None:
-                fd = os.open(inside_store(self.root, key, self._roots), os.O_RDONLY)
+                fd = door.open_fd(self.root, key, roots=self._roots)
                 if len(self._fds) >= MAX_OPEN_FILES:
                     os.close(self._fds.popitem(last=False)[1])
             self._fds[key] = fd

@@ -20,6 +20,7 @@ HDF5: every array is a chunked dataset with a Fletcher-32 per chunk (docs/cache-
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import TYPE_CHECKING
 
@@ -52,6 +53,24 @@ CONTENT_KEYS = ("format_version", "target", "compute", "layers", "dtype", "codec
 
 class CacheFormatError(ValueError):
     pass
+
+
+# what parsing a hostile value can raise in numpy, json, zarr-python or h5py's own checks
+PARSE_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError,
+                NotImplementedError, RecursionError)
+
+
+@contextlib.contextmanager
+def parsing(where: str):
+    """Any error parsing what a store holds at `where` ("<store>: <file or key>[: field]") becomes a
+    CacheFormatError naming it: a store is input deepspec does not control, and a refusal must say
+    where, not surface as a library's OverflowError or KeyError."""
+    try:
+        yield
+    except CacheFormatError:
+        raise
+    except PARSE_ERRORS as e:
+        raise CacheFormatError(f"{where}: unreadable ({e.__class__.__name__}: {str(e)[:200]})") from None
 
 
 # Names a store supplies (manifest, listings, commit records) that become paths: only these shapes are

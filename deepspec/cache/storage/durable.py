@@ -7,8 +7,8 @@ import os
 import uuid
 from pathlib import Path
 
-from zarr.storage import LocalStore
 
+from deepspec.cache.storage.door_store import DoorStore
 from deepspec.cache.storage.pools import thread_pool
 from deepspec.io import atomic_open, fsync_path
 
@@ -82,8 +82,8 @@ def durable_replace(path: Path, data) -> None:
         f.write(data)
 
 
-class DurableLocalStore(LocalStore):
-    """A LocalStore whose *replacements* of an existing key (the root manifest, a part's commit
+class DurableLocalStore(DoorStore):
+    """A local store (read through the door) whose *replacements* of an existing key (the root manifest, a part's commit
     mark) are crash-atomic and durable: temp file, fsync, rename, fsync of the directory, so a power
     loss leaves the old or the new bytes, never an empty file. New files are written as zarr-python
     writes them and made durable in one batch before their part is committed (CacheWriter.write_part)."""

@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 
 import zarr
-from zarr.storage import FsspecStore, LocalStore
 
 from deepspec.cache.spec.format import FORMAT, READ_VERSIONS, CacheFormatError
+from deepspec.cache.storage.door_store import BoundedFsspecStore, DoorStore
 from deepspec.cache.storage.durable import DurableLocalStore
 from deepspec.cache.storage.urls import is_remote, local_path, storage_options_for
 
@@ -67,7 +67,7 @@ async def fenced_replace(fs, path: str, data: bytes, etag: str) -> str:
     return out["ETag"]
 
 
-class FencedS3Store(FsspecStore):
+class FencedS3Store(BoundedFsspecStore):
     """An S3 store on which a writer only ever *creates* the objects of a part (`If-None-Match: *`)
     and only replaces an object it created itself (`If-Match` on the ETag it got back): the part
     commit mark. A writer that lost its lease while paused mid-part (deepspec.cache.write.lease) can then
@@ -87,8 +87,8 @@ class FencedS3Store(FsspecStore):
     async def get(self, key: str, prototype, byte_range=None):
         if key != "zarr.json" or byte_range is not None:
             return await super().get(key, prototype, byte_range)
-        if not self._is_open:
-            await self._open()
+        if not await self.bounded(key):
+            return None
         data, etag = await fenced_read(self.fs, self.s3_path(key))
         if self._root_etag is None:
             self._root_etag = etag  # fenced from here: the root is replaced only if it is still this version
@@ -140,13 +140,13 @@ class FencedS3Store(FsspecStore):
 
 def open_store(url: str, mode: str = "r", storage_options: dict | None = None):
     if is_remote(url):
-        cls = FencedS3Store if url.startswith("s3://") and mode != "r" else FsspecStore
+        cls = FencedS3Store if url.startswith("s3://") and mode != "r" else BoundedFsspecStore
         return cls.from_url(url, storage_options=storage_options_for(url, storage_options), read_only=mode == "r")
     path = local_path(url)
     if mode == "r":
         if not (path / "zarr.json").exists():
             raise CacheFormatError(f"{url}: not a cache store (no zarr.json)")
-        return LocalStore(path, read_only=True)
+        return DoorStore(path, read_only=True)
     return DurableLocalStore(path)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from deepspec.cache.spec.format import CacheFormatError
+from deepspec.cache.storage import door
 
 REF_VERSION = 2
 RECORD = np.dtype([("sample_id", "<u8"), ("shard_id", "<u4"), ("seq_len", "<u4"),
@@ -51,7 +52,7 @@ class ReferenceCache:
         self.index_path = self.dir / "samples.idx"
         if not self.index_path.is_file():
             raise CacheFormatError(f"{self.index_path}: missing (every reference cache has an index)")
-        size = self.index_path.stat().st_size
+        size = self._size("samples.idx")
         if size != self.num_samples * RECORD.itemsize:
             raise CacheFormatError(f"{self.index_path}: {size} bytes, but manifest.json num_samples "
                                    f"{self.num_samples} needs {self.num_samples * RECORD.itemsize} "
@@ -63,7 +64,7 @@ class ReferenceCache:
         if not where.is_file():
             raise CacheFormatError(f"{where}: missing (not a reference target cache directory)")
         try:
-            m = json.loads(where.read_text())
+            m = json.loads(door.read_file(str(self.dir), "manifest.json"))
         except json.JSONDecodeError as e:
             raise CacheFormatError(f"{where}: not valid JSON (line {e.lineno}: {e.msg})") from None
         if not isinstance(m, dict):
@@ -119,12 +120,22 @@ class ReferenceCache:
             if not path.is_file():
                 raise CacheFormatError(f"{path}: missing (manifest.json shards[{k}])")
             files.append(path)
-        return files, np.array([p.stat().st_size for p in files], dtype=np.uint64)
+        return files, np.array([self._size(p.relative_to(self.dir).as_posix()) for p in files], dtype=np.uint64)
+
+    def _size(self, name: str) -> int:
+        """The size of one file of the cache, opened through the door (storage/door.py): inside the
+        directory (or the DVC cache of its repository), a regular file."""
+        fd = door.open_fd(str(self.dir), name)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def index(self) -> np.ndarray:
         if self.num_samples == 0:
             return np.zeros(0, dtype=RECORD)
-        return np.memmap(self.index_path, dtype=RECORD, mode="r", shape=(self.num_samples,))
+        with door.open_file(str(self.dir), "samples.idx", size=self.num_samples * RECORD.itemsize) as f:
+            return np.memmap(f, dtype=RECORD, mode="r", shape=(self.num_samples,))
 
     def check_index(self) -> None:
         """Every record: its sample id is its position, its shard exists, its length is positive and
@@ -162,7 +173,7 @@ class ReferenceCache:
         shard = int(record["shard_id"])
         if self._fd is None or self._fd[0] != shard:
             self.close()
-            self._fd = (shard, os.open(self.shard_files[shard], os.O_RDONLY))
+            self._fd = (shard, door.open_fd(str(self.dir), self.shard_files[shard].relative_to(self.dir).as_posix()))
         offset = int(record[field])
         data = os.pread(self._fd[1], nbytes, offset)
         if len(data) != nbytes:  # the file shrank after check_index
@@ -194,7 +205,8 @@ class ReferenceCache:
         if path.stat().st_size != 8 * self.num_samples:
             raise CacheFormatError(f"{path}: {path.stat().st_size} bytes, expected 8 per sample "
                                    f"({8 * self.num_samples} for {self.num_samples} samples)")
-        ids = np.fromfile(path, dtype="<u8") if self.num_samples else np.zeros(0, dtype="<u8")
+        raw = door.read_file(str(self.dir), str(name), size=8 * self.num_samples, limit=None)
+        ids = np.frombuffer(raw, dtype="<u8").copy()
         uniq, counts = np.unique(ids, return_counts=True)
         if (counts > 1).any():
             dup = int(uniq[np.argmax(counts > 1)])

@@ -90,12 +90,30 @@ def pid_gone(holder: dict) -> bool:
     return False
 
 
+# a lease body's fields and their types (the body is anyone's text: a pid of 10**20 must not reach
+# os.kill, a run id of megabytes not a log line)
+BODY_FIELDS = {"run_id": str, "host": str, "boot_id": str, "pid_ns": str, "created": str, "token": str,
+               "pid": int}  # ttl_s: holder_ttl reads any value (one out of range counts as MAX_TTL_S)
+
+
 def parse_body(data: bytes | None) -> dict | None:
+    """The holder a lease body names, or None when it is unreadable: not JSON, not an object, or a
+    known field of the wrong type or out of its range (what `describe` then calls an unknown writer)."""
     try:
         value = json.loads(data) if data else None
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
-    return value if isinstance(value, dict) else None
+    if not isinstance(value, dict):
+        return None
+    for key, kind in BODY_FIELDS.items():
+        got = value.get(key)
+        if got is None:
+            continue
+        if isinstance(got, bool) or not isinstance(got, kind) or (isinstance(got, str) and len(got) > 1024):
+            return None
+    if "pid" in value and not 0 < value["pid"] < 2**31:
+        return None
+    return value
 
 
 class Lease(ABC):

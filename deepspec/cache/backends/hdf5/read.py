@@ -21,10 +21,11 @@ from crc32c import crc32c
 
 from deepspec.cache.backends.base import ArrayLayout, CacheStore
 from deepspec.cache.storage.bounded import BoundedCache
-from deepspec.cache.spec.format import PART_NAME, CacheFormatError
+from deepspec.cache.spec.format import PARSE_ERRORS, PART_NAME, CacheFormatError, parsing
 from deepspec.cache.backends.hdf5.h5 import INDEX_DATASET, no_cyclic_gc, register_plugins
 from deepspec.cache.spec.manifest import PartEntry
-from deepspec.cache.storage.urls import inside_store, local_path, storage_options_for
+from deepspec.cache.storage import door
+from deepspec.cache.storage.urls import local_path, storage_options_for
 
 MANIFEST_NAME = "manifest.json"
 SUFFIX = ".h5"
@@ -32,6 +33,8 @@ SUFFIX = ".h5"
 # [samples, 6], named by their content, never overwritten); v2, the one file `index.h5` ([samples, 4])
 INDEX_DIR = "index"
 INDEX_FILE = "index.h5"
+# h5py decodes a whole chunk to read a row of it: a chunk larger than its dataset only up to this
+SMALL_CHUNK_BYTES = 16 << 20
 
 
 class HDF5Store(CacheStore):
@@ -62,19 +65,23 @@ class HDF5Store(CacheStore):
         if self.remote:
             _ = self.fs
             return f"{self._root.rstrip('/')}/{key}"
-        return inside_store(str(local_path(self.url)), key)
+        return door.resolve(str(local_path(self.url)), key)
 
     def cat(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Bytes [start, end) of one key; the whole of a document (`start` None), refused when it is
+        larger than a document may be (its size asked first on a remote store)."""
         if self.remote:
-            return self.fs.cat_file(self.key_path(key), start=start, end=end)
-        with open(self.key_path(key), "rb") as f:
+            path = self.key_path(key)
             if start is None:
-                return f.read()
-            f.seek(start)
-            data = f.read(end - start)
-        if len(data) != end - start:
-            raise CacheFormatError(f"{key}: short read ({len(data)} of {end - start} bytes at {start})")
-        return data
+                size = int(self.fs.size(path))
+                if size > door.DOCUMENT_BYTES:
+                    raise CacheFormatError(f"{self.url}: {key}: {size} bytes, more than a document may have")
+            data = self.fs.cat_file(path, start=start, end=end)
+            if start is not None and len(data) != end - start:
+                raise CacheFormatError(f"{self.url}: {key}: short read ({len(data)} of {end - start} bytes at {start})")
+            return data
+        root = str(local_path(self.url))
+        return door.read_file(root, key) if start is None else door.read_range(root, key, start, end)
 
     def list_dir(self, prefix: str) -> list[str]:
         if self.remote:
@@ -91,8 +98,8 @@ class HDF5Store(CacheStore):
     def _h5(self, name: str):
         import h5py
 
-        if not self.remote:
-            with h5py.File(self.key_path(f"parts/{name}{SUFFIX}"), "r") as f:
+        if not self.remote:  # h5py reads the file object the door opened, never a path of its own
+            with door.open_file(str(local_path(self.url)), f"parts/{name}{SUFFIX}") as raw, h5py.File(raw, "r") as f:
                 yield f
             return
         # h5py reads the S3 object through the fsspec file while holding its global lock: no cyclic
@@ -140,7 +147,11 @@ class HDF5Store(CacheStore):
             try:
                 with self._h5(name) as f:
                     attrs = {k: (v.item() if hasattr(v, "item") and np.ndim(v) == 0 else v) for k, v in f.attrs.items()}
-                    # what the consolidated index needs, read while the file is open anyway
+                    # what the consolidated index needs, read while the file is open anyway; each no
+                    # larger than a document (h5py allocates what a dataset declares before reading)
+                    for dataset in ("offsets", "sample_id", "sample_key"):
+                        if dataset in f and f[dataset].nbytes > door.DOCUMENT_BYTES:
+                            raise ValueError(f"{dataset} declares {f[dataset].nbytes} bytes")
                     lengths = np.diff(np.asarray(f["offsets"][:], dtype=np.int64))
                     ids = np.asarray(f["sample_id"][:], dtype=np.uint64)
                     keys = np.asarray(f["sample_key"][:], dtype=np.uint64) if "sample_key" in f else None
@@ -149,7 +160,7 @@ class HDF5Store(CacheStore):
                 attrs["lengths"], attrs["sample_ids"] = lengths, ids
                 if keys is not None:
                     attrs["keys"] = keys
-            except (OSError, KeyError, ValueError) as e:
+            except (OSError, KeyError, ValueError, TypeError, AttributeError, IndexError, OverflowError) as e:
                 # the name exists only after a commit: an unreadable file is a damaged committed part
                 attrs = {"committed": True, "samples": 0, "tokens": 0, "damaged": f"unreadable ({e.__class__.__name__})"}
             out[name] = attrs
@@ -166,11 +177,14 @@ class HDF5Store(CacheStore):
         table = self.tables.get(part.name)
         if table is None:
             where = part.chunk_index
-            if where is None:
-                with self._h5(part.name) as f:
-                    where = [int(v) for v in f.attrs[INDEX_DATASET]]
-            off, n, crc = (int(v) for v in where)
             key = f"parts/{part.name}{SUFFIX}"
+            if where is None:
+                with self._h5(part.name) as f, parsing(f"{self.url}: {key}: {INDEX_DATASET}"):
+                    where = [int(v) for v in f.attrs[INDEX_DATASET]]
+            with parsing(f"{self.url}: {key}: {INDEX_DATASET}"):
+                off, n, crc = (int(v) for v in where)
+            if not (0 <= off and 0 <= n <= door.DOCUMENT_BYTES):
+                raise CacheFormatError(f"{self.url}: {key}: {INDEX_DATASET} declares {n} bytes at {off}")
             blob = self.cat(key, off, off + n)
             if crc32c(blob) != crc:
                 raise CacheFormatError(f"{self.url}: {key}: chunk table checksum mismatch (corrupt bytes)")
@@ -178,7 +192,7 @@ class HDF5Store(CacheStore):
                 table = {name: dict(t, chunks=np.asarray(t["chunks"], dtype=np.uint64).reshape(-1, 2),
                                     **({"crc32c": np.asarray(t["crc32c"], dtype=np.uint32)} if "crc32c" in t else {}))
                          for name, t in json.loads(blob).items()}
-            except (ValueError, TypeError, KeyError, AttributeError) as e:
+            except PARSE_ERRORS as e:
                 raise CacheFormatError(f"{self.url}: {key}: chunk table unreadable ({e.__class__.__name__})") from None
             self.tables[part.name] = table
         return table
@@ -187,7 +201,10 @@ class HDF5Store(CacheStore):
         table = self.chunk_table(part)
         if array not in table:
             raise CacheFormatError(f"{self.url}: array {array} is missing from parts/{part.name}{SUFFIX}")
-        t = table[array]
+        with parsing(f"{self.url}: parts/{part.name}{SUFFIX}: chunk table: {array}"):
+            return self._layout(part, array, table[array])
+
+    def _layout(self, part: PartEntry, array: str, t: dict) -> ArrayLayout | None:
         if not t["filtered"]:
             return None  # a chunk skipped a filter: read through h5py
         dtype, shape = np.dtype(t["dtype"]), tuple(t["shape"])
@@ -199,20 +216,33 @@ class HDF5Store(CacheStore):
                            name=f"parts/{part.name}{SUFFIX}: {array}")
 
     def read_slow(self, part: PartEntry, array: str, start: int, stop: int) -> np.ndarray:
+        """Rows through h5py, once the dataset declares the dtype and shape its chunk table does (which
+        the reader checked against the manifest) and chunks no larger than its rows or small: h5py
+        and HDF5 size what they allocate by the dataset's own header."""
         register_plugins()
+        where = f"{self.url}: parts/{part.name}{SUFFIX}: {array}"
+        want_dtype, want_shape = self.declared(part, array)
         try:
-            with self._h5(part.name) as f:
+            with self._h5(part.name) as f, parsing(where):
                 if array not in f:
                     raise CacheFormatError(f"{self.url}: array {array} is missing from parts/{part.name}{SUFFIX}")
-                return np.asarray(f[array][start:stop])
-        except OSError as e:  # h5py reports a failed Fletcher-32 as a filter failure
-            raise CacheFormatError(f"{self.url}: parts/{part.name}{SUFFIX}: {array}: rows {start}..{stop}: {e}") from None
+                d = f[array]
+                row_bytes = want_dtype.itemsize * int(np.prod(want_shape[1:], dtype=np.int64))
+                chunk_bytes = int(np.prod(d.chunks or d.shape, dtype=np.int64)) * want_dtype.itemsize
+                if d.dtype != want_dtype or tuple(d.shape) != want_shape or \
+                        chunk_bytes > max(want_shape[0] * row_bytes, SMALL_CHUNK_BYTES):
+                    raise CacheFormatError(f"{where}: the dataset declares {d.dtype} {list(d.shape)} in chunks of "
+                                           f"{list(d.chunks or [])}; its chunk table {want_dtype} {list(want_shape)}")
+                return np.asarray(d[start:stop])
+        except (OSError, RuntimeError) as e:  # h5py reports a failed Fletcher-32 as a filter failure
+            raise CacheFormatError(f"{where}: rows {start}..{stop}: {e}") from None
 
     def array_rows(self, part: PartEntry, array: str) -> int:
-        return int(self.chunk_table(part)[array]["shape"][0])
+        return int(self.declared(part, array)[1][0])
 
     def declared(self, part: PartEntry, array: str) -> tuple[np.dtype, tuple]:
         table = self.chunk_table(part)
         if array not in table:
             raise CacheFormatError(f"{self.url}: array {array} is missing from parts/{part.name}{SUFFIX}")
-        return np.dtype(table[array]["dtype"]), tuple(table[array]["shape"])
+        with parsing(f"{self.url}: parts/{part.name}{SUFFIX}: chunk table: {array}"):
+            return np.dtype(table[array]["dtype"]), tuple(int(v) for v in table[array]["shape"])

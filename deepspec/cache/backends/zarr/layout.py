@@ -10,7 +10,8 @@ import numpy as np
 from crc32c import crc32c
 
 from deepspec.cache.backends.base import ArrayLayout
-from deepspec.cache.spec.format import CHUNK_CRC32C
+from deepspec.cache.spec.format import CHUNK_CRC32C, PARSE_ERRORS
+from deepspec.cache.storage import door
 
 EMPTY = 2**64 - 1  # shard index marker of a chunk that was never written
 
@@ -67,22 +68,28 @@ def part_damage(root: str, part: str, arrays: list[str]) -> str | None:
     every array's metadata must parse, and its shard must end with an index whose crc32c holds and
     whose chunks fill the file exactly up to it. A shard that lost its tail, or whose blocks read
     back as zeros after a power loss, fails this; flipped bytes inside a chunk are `verify`'s job."""
+    try:
+        door.read_file(root, f"parts/{part}/zarr.json")
+    except (OSError, ValueError) as e:  # the door's refusal is a CacheFormatError, a ValueError
+        return f"parts/{part}/zarr.json unreadable ({e.__class__.__name__})"
     for array in arrays:
         where = f"parts/{part}/{array}"
         try:
-            with open(os.path.join(root, where, "zarr.json"), "rb") as f:
-                layout = parse_layout(where, json.loads(f.read()))
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            layout = parse_layout(where, json.loads(door.read_file(root, f"{where}/zarr.json")))
+        except (OSError, *PARSE_ERRORS) as e:
             return f"{where}/zarr.json unreadable ({e.__class__.__name__})"
         if layout is None:
             return f"{where}: not the single-shard layout the writer produces"
         suffix = layout.suffix_bytes
         try:
-            with open(os.path.join(root, layout.key), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                tail = os.pread(f.fileno(), suffix, size - suffix) if size >= suffix else b""
-        except OSError as e:
+            fd = door.open_fd(root, layout.key)
+        except (OSError, ValueError) as e:
             return f"{layout.key}: unreadable ({e.__class__.__name__})"
+        try:
+            size = os.fstat(fd).st_size
+            tail = os.pread(fd, suffix, size - suffix) if size >= suffix else b""
+        finally:
+            os.close(fd)
         try:
             index, _ = split_suffix(layout, tail)
         except ValueError:

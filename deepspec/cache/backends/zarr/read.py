@@ -11,11 +11,17 @@ import numpy as np
 import zarr
 
 from deepspec.cache.backends.base import ArrayLayout, CacheStore
-from deepspec.cache.spec.format import PART_NAME, CacheFormatError
+from deepspec.cache.spec.format import PART_NAME, CacheFormatError, parsing
 from deepspec.cache.spec.manifest import PartEntry
-from deepspec.cache.storage.urls import inside_store, local_path
+from deepspec.cache.storage.urls import local_path
 from deepspec.cache.storage.fenced import open_root
 from deepspec.cache.backends.zarr.layout import EMPTY, parse_layout, split_suffix
+
+# zarr-python decodes a whole chunk to read a row of it: a chunk may be larger than its array's rows
+# (a small part's 1-D arrays are chunked by 1,024 tokens) only up to this; and what a stored chunk
+# may add to its rows' bytes (a Blosc header and its crc32c)
+SMALL_CHUNK_BYTES = 16 << 20
+CHUNK_OVERHEAD = 64
 
 # the consolidated per-sample index (§3.1): v3, arrays `index/<name>` (uint64 [samples, 6], one chunk,
 # named by their content, never overwritten); v2, the one array `index` (uint64 [samples, 4])
@@ -108,6 +114,8 @@ class ZarrStore(CacheStore):
                 buf = await store.get(f"parts/{name}/zarr.json", prototype=default_buffer_prototype())
             except OSError:
                 return None
+            except CacheFormatError as e:  # the door refused it: a committed part that cannot be read
+                return {"committed": True, "samples": 0, "tokens": 0, "damaged": str(e)}
             return group_attrs(buf)
 
         async def read_all():
@@ -140,35 +148,58 @@ class ZarrStore(CacheStore):
         return group_attrs(buf) or {}
 
     # ---- reading -----------------------------------------------------------------------------
-    def _inside(self, path: str) -> None:
-        """A local array's metadata and shard are read through zarr-python: its directory must not
-        link outside the store (store.inside_store; the fast path checks every file it opens)."""
-        if not self.remote:
-            for key in ("zarr.json", "c/0", "c/0/0"):  # the shard of a 1-D or a 2-D array
-                inside_store(str(local_path(self.url)), f"{path}/{key}")
+    # zarr-python reads a local store through the door (storage.door_store.DoorStore) and parses
+    # metadata itself: whatever it raises on a hostile zarr.json is a refusal naming the array
+    def _array(self, path: str) -> zarr.Array:
+        with parsing(f"{self.url}: {path}/zarr.json"):
+            try:
+                got = self.root[path]
+            except KeyError:
+                raise CacheFormatError(f"{self.url}: array {path} is missing") from None
+            if not isinstance(got, zarr.Array):
+                raise CacheFormatError(f"{self.url}: {path} is not an array")
+            return got
 
     def layout(self, part: PartEntry, array: str) -> ArrayLayout | None:
         path = f"parts/{part.name}/{array}"
-        self._inside(path)
-        try:
-            meta = self.root[path].metadata.to_dict()
-        except KeyError:
-            raise CacheFormatError(f"{self.url}: array {path} is missing") from None
-        return parse_layout(path, meta)
+        meta = self._array(path).metadata.to_dict()
+        with parsing(f"{self.url}: {path}/zarr.json"):
+            return parse_layout(path, meta)
 
     def read_slow(self, part: PartEntry, array: str, start: int, stop: int) -> np.ndarray:
+        """Rows through zarr-python, once the array's chunks are known to be no larger than its
+        rows or small (zarr-python allocates a whole chunk to decode one) and its shard no larger than they
+        can be stored in: what it declares is checked before the library sizes anything by it."""
         path = f"parts/{part.name}/{array}"
-        try:
-            a = self.root[path]
-        except KeyError:
-            raise CacheFormatError(f"{self.url}: array {path} is missing") from None
-        layout = parse_layout(path, a.metadata.to_dict())
-        if layout is not None and layout.crc_table and stop > start:
-            self._check_chunks(layout, start, stop)
+        a = self._array(path)
+        with parsing(f"{self.url}: {path}/zarr.json"):
+            layout = parse_layout(path, a.metadata.to_dict())
+            chunk_rows = int(a.chunks[0]) if a.ndim else 1
+            row_bytes = a.dtype.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+        if chunk_rows * row_bytes > max(int(a.shape[0]) * row_bytes, SMALL_CHUNK_BYTES):
+            raise CacheFormatError(f"{self.url}: {path}: chunks of {chunk_rows} rows for its {a.shape[0]} rows")
+        if layout is not None:
+            most = layout.n_chunks * (chunk_rows * row_bytes + CHUNK_OVERHEAD) + layout.suffix_bytes
+            if self.key_size(layout.key) > most:
+                raise CacheFormatError(f"{self.url}: {layout.key}: {self.key_size(layout.key)} bytes, more than "
+                                       f"its {layout.n_chunks} chunks can be stored in ({most})")
+            if layout.crc_table and stop > start:
+                self._check_chunks(layout, start, stop)
         try:
             return np.asarray(a[start:stop])
+        except FileNotFoundError:
+            raise CacheFormatError(f"{self.url}: {path}: its shard is missing") from None
         except ValueError as e:  # zarr-python's crc32c codec reports a mismatch as ValueError
             raise CacheFormatError(f"{self.url}: {path}: rows {start}..{stop}: {e}") from None
+
+    def key_size(self, key: str) -> int:
+        """The size of one store file (a HEAD on S3; through the door locally); 0 when absent."""
+        from zarr.core.sync import sync
+
+        try:
+            return int(sync(self.root.store.getsize(key)))
+        except FileNotFoundError:
+            return 0
 
     def _check_chunks(self, layout: ArrayLayout, start: int, stop: int) -> None:
         """The crc32cs of the chunks holding rows [start, stop), which zarr-python cannot check when
@@ -194,12 +225,9 @@ class ZarrStore(CacheStore):
                 raise CacheFormatError(f"{name}: chunk {c} checksum mismatch (corrupt bytes)")
 
     def array_rows(self, part: PartEntry, array: str) -> int:
-        return int(self.root[f"parts/{part.name}/{array}"].shape[0])
+        return int(self._array(f"parts/{part.name}/{array}").shape[0])
 
     def declared(self, part: PartEntry, array: str) -> tuple[np.dtype, tuple]:
-        self._inside(f"parts/{part.name}/{array}")
-        try:
-            a = self.root[f"parts/{part.name}/{array}"]
-        except KeyError:
-            raise CacheFormatError(f"{self.url}: array parts/{part.name}/{array} is missing") from None
-        return np.dtype(a.dtype), tuple(a.shape)
+        a = self._array(f"parts/{part.name}/{array}")
+        with parsing(f"{self.url}: parts/{part.name}/{array}/zarr.json"):
+            return np.dtype(a.dtype), tuple(a.shape)
