@@ -141,3 +141,24 @@ class ByteRanges:
                 os.close(fd)
             self._fds.clear()
             self._maps.clear()
+
+    def forget(self, prefix: str) -> list:
+        """Close the descriptors and drop the maps of the local files whose keys start with `prefix`
+        (a directory's files: end it with "/"), before those files are deleted: one kept here would
+        hold a deleted file's blocks on disk for as long as this process lives. Returns (weak
+        reference, bytes) of each dropped map still alive afterwards: a view of it in use elsewhere
+        (a read on another thread, an array over its bytes) keeps it mapped, and its file's blocks
+        held, until released. A descriptor is closed as fd()'s own LRU closes one."""
+        import weakref
+
+        with self._lock:
+            fds = [self._fds.pop(k) for k in [k for k in self._fds if k.startswith(prefix)]]
+            views = [self._maps.pop(k) for k in [k for k in self._maps if k.startswith(prefix)]]
+        for fd in fds:
+            os.close(fd)
+        # A map with views exported cannot be closed (mmap.close raises BufferError), and releasing
+        # the memoryview kept here would break a read still using it: the references are dropped
+        # instead, and CPython unmaps the map when its last one goes (here, where no view is in use)
+        maps = [(weakref.ref(v.obj), len(v)) for v in views if isinstance(v.obj, mmap.mmap)]
+        del views
+        return [(ref, n) for ref, n in maps if ref() is not None]

@@ -337,7 +337,9 @@ class CacheReader:
             if mirror.begun or all(mirror.ready(*w) for w in wanted):
                 return self._read_mirrored(requests, wanted)
             # this process's first read: from the store, while its arrays download; the layouts come
-            # from the zarr.json the mirror fetches for itself, each array's rows in one range
+            # from the zarr.json the mirror fetches for itself (checked first), each array's rows in one range
+            for part, name, *_ in requests:
+                self._mirrored_layout(part, name)
             mirror.start(wanted)
             direct = True
         if not files.remote or self.read_ahead <= 1:
@@ -363,6 +365,8 @@ class CacheReader:
         read from local disk (an array whose layout the fast path does not know: from the store)."""
         state = self._process_state()
         mirror, local = state.mirror, state.mirrored
+        for part, name, *_ in requests:  # each array's zarr.json checked against the manifest before
+            self._mirrored_layout(part, name)  # the mirror sizes a download by it
         mirror.ensure(wanted)
         results = []
         for part, name, start, stop, out in requests:
