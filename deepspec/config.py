@@ -135,6 +135,9 @@ class CacheConfig:
     # (deepspec.cache.build.derive): "" = the store at a local url / the lake's other stores; a path or
     # s3:// URL = that store; "none" = always compute
     derive_from: Str = ""
+    # ranks a target is sharded over by transformers' tensor-parallel plan (a target larger than one GPU):
+    # torchrun's N ranks form N/k groups, each computing its share of the parts (models/tensor_parallel.py)
+    tensor_parallel: Annotated[Int, Field(ge=1)] = 1
 
 
 @section
@@ -239,6 +242,10 @@ class EvalConfig:
     sample: Bool = True
     confidence_threshold: Annotated[Float, Field(ge=0.0, le=1.0)] = 0.0
     threads: Annotated[Int, Field(ge=0)] = 0
+    launcher: Str = "python"            # "torchrun --nproc-per-node k" with tensor_parallel: k
+    # ranks the target is sharded over (transformers' tensor-parallel plan); every rank decodes every
+    # prompt with its own draft, in lockstep with the others (models/tensor_parallel.py)
+    tensor_parallel: Annotated[Int, Field(ge=1)] = 1
 
     def __post_init__(self) -> None:
         if not self.suites:

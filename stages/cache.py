@@ -12,13 +12,17 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from transformers import AutoConfig
+
 from deepspec.cache.build.stage import build_cache, plan_cache
 from deepspec.cache.storage.naming import read_through_url
 from deepspec.cache.storage.urls import is_remote, local_path
 from deepspec.cache.spec.format import CacheFormatError
 from deepspec.cache.tools.verify import disk_usage
-from deepspec.distributed import launch
+from deepspec.distributed import Dist, launch
 from deepspec.io import write_json
+from deepspec.models.target import compute_settings
+from deepspec.models.tensor_parallel import Groups, Lockstep, follow, load_sharded, refuse_unshardable
 from deepspec.stage import StageError, configure_threads, run_stage
 
 
@@ -40,6 +44,9 @@ def plan_only(params, d) -> None:
     rank indexes its share of the input; rank 0 writes the outputs and keeps the index for train
     (data/cache/index.npz: not a DVC output, a train stage without it indexes the input itself)."""
     cfg = params.cache
+    if cfg.tensor_parallel > 1:
+        raise StageError("cache.tensor_parallel > 1 with train.capture: read-through: the train stage's capture "
+                         "ranks load the target whole; a sharded target is not supported there yet")
     try:
         report = plan_cache(replace(cfg, url=read_through_url(cfg.url)), params.layers,
                             Path("data/regen/train.jsonl"), Path("data/target"), d.device, d.rank, d.world, d.gather,
@@ -70,14 +77,35 @@ def main(params):
             plan_only(params, d)
         return
     with launch(cfg.collective_timeout_s) as d:
+        lead, lockstep = d, None
+        if cfg.tensor_parallel > 1:  # groups of k ranks, each one sharded target; the groups' leads build
+            target = Path("data/target")
+            try:
+                refuse_unshardable(AutoConfig.from_pretrained(target), cfg.tensor_parallel, "data/target")
+                groups = Groups.make(d.rank, d.world, cfg.tensor_parallel, d.device)
+            except ValueError as e:
+                raise StageError(f"cache.tensor_parallel: {e}") from None
+
+            def sharded():
+                return load_sharded(target, compute_settings(target, d.device), groups.mesh)
+
+            lockstep = Lockstep(groups, sharded)
+            if not groups.lead:
+                follow(groups, sharded, d.device)
+                return
+            lead = Dist(groups.dp_rank, groups.dp_world, d.device, groups.dp_group, d.timeout)
         try:
             # a read-through run's store of this very content is derived from, not computed again
             report = build_cache(cfg, params.layers, Path("data/regen/train.jsonl"), Path("data/target"),
-                                 d.rank, d.world, d.device, share=d.share, gather=d.gather,
-                                 also=() if is_remote(cfg.url) else (read_through_url(cfg.url),))
+                                 lead.rank, lead.world, d.device, share=lead.share, gather=lead.gather,
+                                 also=() if is_remote(cfg.url) else (read_through_url(cfg.url),),
+                                 load=lockstep and lockstep.load)
         except CacheFormatError as e:
             raise StageError(str(e)) from None
-        rank = d.rank
+        finally:
+            if lockstep is not None:
+                lockstep.stop()
+        rank = lead.rank
     if rank != 0:
         return
     manifest = report.pop("manifest")

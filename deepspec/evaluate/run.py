@@ -83,7 +83,8 @@ def auroc(score: np.ndarray, label: np.ndarray) -> float | None:
     return round(float((ranks[label == 1].sum() - pos * (pos + 1) / 2) / (pos * neg)), 4)
 
 
-def load_models(target_dir: Path, draft_dir: Path, device: torch.device):
+def load_models(target_dir: Path, draft_dir: Path, device: torch.device, load=None):
+    """Tokenizer, target, draft and stop ids; `load()`, when given, loads the target (a sharded one)."""
     from transformers import AutoTokenizer
 
     from deepspec.models.registry import load_draft
@@ -91,7 +92,7 @@ def load_models(target_dir: Path, draft_dir: Path, device: torch.device):
 
     compute = compute_settings(target_dir, device)
     tok = AutoTokenizer.from_pretrained(target_dir)
-    target = load_causal_lm(target_dir, device, compute)
+    target = load() if load is not None else load_causal_lm(target_dir, device, compute)
     draft = load_draft(draft_dir, device, getattr(torch, compute["dtype"]))
     eos = target.generation_config.eos_token_id
     stop = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -104,9 +105,9 @@ class Session:
     """Target + draft loaded once; asks the turns of one prompt at a time."""
 
     def __init__(self, target_dir: Path, draft_dir: Path, cfg: EvalConfig, sampling: SamplingConfig,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, load=None):
         self.device = device or torch.device("cpu")
-        self.tok, target, draft, self.stop = load_models(target_dir, draft_dir, self.device)
+        self.tok, target, draft, self.stop = load_models(target_dir, draft_dir, self.device, load)
         self.identity = json.loads((target_dir / "identity.json").read_text())
         if draft.config.target.get("id") and draft.config.target != self.identity:
             raise PromptError(f"{draft_dir}: the draft was trained against another target "
@@ -188,9 +189,11 @@ def suite_metrics(rows: list[dict], block: int, do_sample: bool) -> dict:
 
 
 def evaluate(target_dir: Path, draft_dir: Path, suites: dict[str, list[dict]], cfg: EvalConfig,
-             sampling: SamplingConfig, device: torch.device | None = None) -> tuple[dict, list[dict]]:
-    """The full report {protocol, suites: {name: metrics}} and one row per (suite, prompt, turn)."""
-    sess = Session(target_dir, draft_dir, cfg, sampling, device)
+             sampling: SamplingConfig, device: torch.device | None = None, load=None) -> tuple[dict, list[dict]]:
+    """The full report {protocol, suites: {name: metrics}} and one row per (suite, prompt, turn). `load`:
+    how the target is loaded (a tensor-parallel group's sharded target: every rank of the group runs
+    this whole loop, and each forward of the target is a collective of the group)."""
+    sess = Session(target_dir, draft_dir, cfg, sampling, device, load)
     sess.warm_up()
     report, all_rows = {"protocol": sess.protocol(), "suites": {}}, []
     for name, prompts in suites.items():

@@ -46,7 +46,10 @@ def capture_layers(model, layer_ids: list[int]) -> Iterator[dict[int, torch.Tens
 @torch.no_grad()
 def forward_capture(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                     layer_ids: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-    """One forward pass: ({layer id: hidden}, last hidden after the final norm)."""
+    """One forward pass: ({layer id: hidden}, last hidden after the final norm). A tensor-parallel
+    group's lead (tensor_parallel.Lockstep) runs it with its followers."""
+    if hasattr(model, "capture"):
+        return model.capture(input_ids, attention_mask, layer_ids)
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     with capture_layers(model, layer_ids) as store:
         out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)

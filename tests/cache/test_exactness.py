@@ -51,7 +51,8 @@ CASES = {
     "threads": ({}, 2),
     "collective_timeout_s": ({}, 60),
     "derive_from": ({}, "none"),
-}
+    "tensor_parallel": ({}, 2),                       # another store (its compute names the degree): checked below;
+}                                                     # the sharded build itself: test_tensor_parallel.py
 
 
 def test_every_cache_param_has_a_case():
@@ -108,6 +109,16 @@ def test_a_changed_param_gives_a_from_scratch_build_or_another_store(tmp_path, t
     if param == "url":
         other = CacheConfig(**base, url=str(tmp_path / "elsewhere.zarr"))
         assert store_url(other.url, first["manifest"]) != first["url"]
+        return
+    if param == "tensor_parallel":  # built only by the stage's groups under torchrun: here, its content differs
+        from deepspec.cache.build.stage import compute_of
+        from deepspec.cache.spec.manifest import manifest_mismatch
+
+        compute = compute_of(CacheConfig(**base, tensor_parallel=value), work / "data" / "target", torch.device("cpu"))
+        assert compute["tensor_parallel"] == value
+        assert manifest_mismatch(first["manifest"], dict(first["manifest"], compute=compute)) is not None
+        with pytest.raises(ValueError, match="sharded by the stage's groups"):
+            build(work, **{**base, param: value})
         return
     changed = {**base, param: value}
     again = build(work, **changed)

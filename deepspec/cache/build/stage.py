@@ -27,6 +27,7 @@ from deepspec.cache.spec.plan import pack_ranges
 from deepspec.cache.write.lease import new_run_id
 from deepspec.cache.storage.urls import is_remote
 from deepspec.cache.storage.naming import check_lake, store_url
+from deepspec.cache.build.on_demand import OnDemand
 from deepspec.cache.write.part_data import PartData, PartWriter
 from deepspec.cache.build.regen_rows import (EncodeRules, RowIndex, Sample, index_key, load_index, part_samples,
                                              save_index)
@@ -76,8 +77,11 @@ def forward_batches(model, samples: list[Sample], layers: list[int], batch_token
         captured, last = forward_capture(model, ids.to(device, non_blocking=True),
                                          mask.to(device, non_blocking=True), layers)
         rows = [*((k, captured[k]) for k in layers), ("last", last)]
-        yield copies.copy({layer: encode_hidden_on_device(torch.cat([values[row, :n] for row, n in enumerate(lengths)]),
-                                                          dtype) for layer, values in rows})
+        batch_out = copies.copy({layer: encode_hidden_on_device(torch.cat([values[row, :n] for row, n in
+                                                                           enumerate(lengths)]), dtype)
+                                 for layer, values in rows})
+        del captured, last, rows  # not held while the next batch computes: one batch of states on the device
+        yield batch_out
 
 
 def part_header(name: str, samples: list[Sample]) -> PartData:
@@ -120,10 +124,11 @@ def compute_of(cfg: CacheConfig, target_dir: Path, device: torch.device) -> dict
     so that a change of any of them names another store (docs/cache-format.md §7): the target's dtype
     and attention kernel; the forward batching (`cache.batch_tokens`: which samples share a padded
     batch changes the last bits of their states); on a CPU the thread count (how a matmul's work is
-    split). The software and hardware are recorded per part instead (compute_fingerprint)."""
+    split); the tensor-parallel degree. The software and hardware are recorded per part instead."""
     compute = dict(compute_settings(target_dir, device), batch_tokens=cfg.batch_tokens)
     if device.type == "cpu":
         compute["threads"] = torch.get_num_threads()
+    compute |= {"tensor_parallel": cfg.tensor_parallel} if cfg.tensor_parallel > 1 else {}  # sharded sums
     return compute
 
 
@@ -144,8 +149,7 @@ def cache_manifest(cfg: CacheConfig, layers: list[int], ident: dict, compute: di
 
 
 def part_tokens_for(cfg: CacheConfig, hidden_size: int) -> int:
-    """Tokens per part: at most part_tokens, and small enough that one hidden array of a part
-    (= one shard file) stays within shard_bytes."""
+    """Tokens per part: at most part_tokens, and one hidden array of a part (a shard file) within shard_bytes."""
     row_bytes = hidden_size * (2 if cfg.dtype == "bfloat16" else 1)
     return max(1, min(cfg.part_tokens, cfg.shard_bytes // row_bytes))
 
@@ -197,7 +201,7 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
                 rank: int = 0, world: int = 1, device: torch.device | None = None,
                 prune_stale: bool | None = None, share=None, gather=None, hooks: FillHooks | None = None,
                 index_from: Path | None = None, separate_writer: bool | None = None,
-                also: tuple[str, ...] = ()) -> dict:
+                also: tuple[str, ...] = (), load=None) -> dict:
     """Compute and write every missing part of the store for `cfg.url` (store.store_url: the path
     itself, or `<lake>/<store key>` on a remote URL); returns the stage report (rank 0's view,
     `report["url"]` is the store written). Multi-rank: `share(value)` returns rank 0's value on every
@@ -217,7 +221,10 @@ def build_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_di
     check_layers(layers, ident["num_layers"])
     tokenizer = load_tokenizer(target_dir)
     # the target is loaded only when a part has to be computed (a derive may need none)
-    target = OnDemand(lambda: load_model(target_dir, device, compute))
+    if cfg.tensor_parallel > 1 and load is None:
+        raise ValueError(f"cache.tensor_parallel {cfg.tensor_parallel}: the target is sharded by the stage's groups "
+                         "(stages/cache.py under torchrun, models/tensor_parallel.py), which pass `load`")
+    target = OnDemand(load or (lambda: load_model(target_dir, device, compute)))  # load: a tensor-parallel lead's
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -305,23 +312,6 @@ def plan_cache(cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir
     report = input_report(index, shares)
     report.update(parts=len(plan), mode="planned", manifest=dict(planned.to_dict(), url=store_url(cfg.url, manifest)))
     return report
-
-
-class OnDemand:
-    """A model loaded when first asked for (`load_s`: how long that took) and let go on `drop`."""
-
-    def __init__(self, load):
-        self._load, self._model, self.load_s = load, None, 0.0
-
-    def get(self):
-        if self._model is None:
-            t = time.time()
-            self._model = self._load()
-            self.load_s = time.time() - t
-        return self._model
-
-    def drop(self) -> None:
-        self._model = None
 
 
 def _build(writer: PartWriter, cfg: CacheConfig, layers: list[int], regen_path: Path, ident: dict,
