@@ -43,12 +43,23 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --delete: how long to wait for the lease while a cache stage holds it (0: fail at "
                          "once)")
     gc.add_argument("--storage-options", help="JSON dict passed to fsspec (e.g. endpoint_url)")
-    est = cmds.add_parser("estimate", help="bytes/token and total size for a target shape")
-    est.add_argument("--hidden-size", type=int, required=True)
-    est.add_argument("--layers", type=_parse_layers, required=True, help="e.g. 1,9,17,25,33")
-    est.add_argument("--tokens", type=float, required=True, help="total tokens (e.g. 1.25e9)")
-    est.add_argument("--dtype", choices=["bfloat16", "fp8"], default="bfloat16")
     defaults = CacheConfig()
+    est = cmds.add_parser("estimate", help="bytes/token and total size for a target shape; with --config the "
+                                           "cache stage's memory per GPU at each --tensor-parallel k")
+    est.add_argument("--hidden-size", type=int, help="the target's width (without --config)")
+    est.add_argument("--layers", type=_parse_layers, required=True, help="e.g. 1,9,17,25,33")
+    est.add_argument("--tokens", type=float, help="total tokens (e.g. 1.25e9): the store's size")
+    est.add_argument("--dtype", choices=["bfloat16", "fp8"], default="bfloat16", help="the store's (cache.dtype)")
+    est.add_argument("--config", help="a model directory or its config.json (read offline): per-GPU memory")
+    est.add_argument("--tensor-parallel", type=_parse_layers, default=[1], metavar="K,...",
+                     help="ranks the target is sharded over (cache.tensor_parallel), e.g. 1,2,4,8")
+    est.add_argument("--batch-tokens", type=int, default=defaults.batch_tokens, help="cache.batch_tokens")
+    est.add_argument("--max-length", type=int, default=defaults.max_length, help="cache.max_length")
+    est.add_argument("--weights-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                     help="the target's weights and activations (bfloat16 on a GPU)")
+    est.add_argument("--overhead-gib", type=float, default=2.0,
+                     help="CUDA context, cuBLAS/NCCL workspaces and allocator slack, per GPU (an assumption)")
+    est.add_argument("--markdown", action="store_true", help="with --config: the table rows docs/scale.md shows")
     imp = cmds.add_parser("import-reference", help="a reference (DeepSpec) target cache directory -> a new store")
     imp.add_argument("dir", help="reference cache directory (manifest.json, samples.idx, shard-*.bin)")
     imp.add_argument("dst", help="new store path or s3://bucket/path")
@@ -151,7 +162,24 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "export-reference":
             out = reference.export_reference(args.src, args.dir, args.layers, args.target_name, args.shard_bytes,
                                              _storage_options(args.storage_options))
+        elif args.config:
+            try:
+                out = estimate.estimate_memory(args.config, args.tensor_parallel, args.layers, args.batch_tokens,
+                                               args.weights_dtype, args.dtype, args.max_length, args.overhead_gib)
+            except (OSError, ValueError) as e:       # no such config, an unknown model_type, a layer out of range
+                print(f"error: {e}", file=sys.stderr)
+                return 1
+            for row in out["tensor_parallel"]:
+                if row["refused"]:
+                    print(f"refused: {row['refused']}", file=sys.stderr)
+            if args.tokens:
+                out["store"] = estimate.estimate(out["shape"]["hidden"], args.layers, int(args.tokens), args.dtype)
+            if args.markdown:
+                print("\n".join(estimate.markdown_rows(out)))
+                return 0
         else:
+            if args.hidden_size is None or args.tokens is None:
+                parser.error("cache estimate needs --hidden-size and --tokens, or --config")
             out = estimate.estimate(args.hidden_size, args.layers, int(args.tokens), args.dtype)
     except CacheFormatError as e:
         print(f"error: {e}", file=sys.stderr)
