@@ -159,6 +159,9 @@ class Walk:
             (r"^dvc exp run -S 'layers=\[9,25\]'$", self.exp_run, "as written"),
             (r"^dvc exp run -S train.capture=read-through .*-S train.capture_ranks=", skip,
              "needs 8 GPUs: tests/train/test_read_through.py runs capture ranks under torchrun"),
+            (r"^dvc exp run -S cache.tensor_parallel=", skip,
+             "needs 8 GPUs: tests/cache/test_tensor_parallel.py and tests/evaluate/test_eval_tensor_parallel.py "
+             "run these stages sharded under torchrun (gloo), k = 2 and 3"),
             (r"^dvc exp show ", self.run, "as written"),
             (r"^deepspec cache estimate ", self.run, "as written"),
         ]
