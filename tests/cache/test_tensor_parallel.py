@@ -171,3 +171,18 @@ def test_smollm2_over_three_ranks_its_heads_split_in_three(tmp_path):
             worst = max(worst, (diff / (want.abs().amax(-1, keepdim=True) * 2.0**-8)).max().item())
     print(f"SmolLM2, tensor_parallel 3 vs one device: worst {worst:.3f} bf16 half-ulps of its token's largest magnitude")
     assert worst <= TOLERANCE_HALF_ULPS
+
+
+def test_a_degree_that_does_not_divide_the_launch_or_a_model_without_a_plan_is_refused():
+    import torch
+    from transformers import GPT2Config, Qwen3Config
+
+    from deepspec.models.tensor_parallel import Groups, refuse_unshardable
+
+    with pytest.raises(ValueError, match="tensor_parallel = 2 does not divide the launch's 3 ranks"):
+        Groups.make(0, 3, 2, torch.device("cpu"))  # refused before any collective
+    with pytest.raises(ValueError, match="has no tensor-parallel plan in transformers"):
+        refuse_unshardable(GPT2Config(n_layer=1, n_head=2, n_embd=8), 2)
+    refuse_unshardable(Qwen3Config(num_attention_heads=4, num_key_value_heads=2), 2)
+    with pytest.raises(ValueError, match="num_key_value_heads = 2 does not split over tensor_parallel = 4"):
+        refuse_unshardable(Qwen3Config(num_attention_heads=4, num_key_value_heads=2), 4)
