@@ -88,8 +88,9 @@ class CacheStore(ABC):
         """The manifest; a store that was never consolidated (a writer is adding parts, or was
         killed before it consolidated) gets its parts by listing the committed parts, in name order."""
         attrs = self.root_attrs()
-        if attrs.get("format") != FORMAT:
-            raise CacheFormatError(f"{self.url}: not a deepspec cache (format attribute is {attrs.get('format')!r})")
+        if not isinstance(attrs, dict) or attrs.get("format") != FORMAT:
+            got = attrs.get("format") if isinstance(attrs, dict) else type(attrs).__name__
+            raise CacheFormatError(f"{self.url}: not a deepspec cache (format attribute is {got!r})")
         m = Manifest.from_dict(attrs, self.url)
         self._listed = None
         if not m.consolidated:

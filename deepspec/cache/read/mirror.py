@@ -118,7 +118,7 @@ class PartMirror:
         self.store = store
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.local = ByteRanges(str(self.root), None)
+        self.local = ByteRanges(str(self.root), None, missing_is_damage=False)  # evicted arrays come back
         self.max_bytes = max_bytes
         self._pool = ThreadPoolExecutor(max(1, in_flight), thread_name_prefix="mirror")
         self._pending: dict[tuple[str, str], Future] = {}

@@ -9,6 +9,8 @@ up to 100 requests of one range before a read failed.)"""
 from __future__ import annotations
 
 import collections
+import contextlib
+import errno
 import mmap
 import os
 import threading
@@ -39,8 +41,11 @@ class ByteRanges:
     """Byte-range access to store keys: pread on local files (an LRU of open fds), fsspec otherwise."""
 
     def __init__(self, url: str, storage_options: dict | None, cache_dir: str | None = None,
-                 retries: int = 3, connections: int = 0):
+                 retries: int = 3, connections: int = 0, missing_is_damage: bool = True):
+        """`missing_is_damage`: a file of the store that is not there is a CacheFormatError naming it (a
+        committed store lacks nothing); False for the part mirror, whose arrays come and go."""
         self.url = url.rstrip("/")
+        self.missing_is_damage = missing_is_damage
         self.remote = is_remote(url)
         self.retries = retries
         self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -79,7 +84,12 @@ class ByteRanges:
         with self._lock:
             fd = self._fds.pop(key, None)
             if fd is None:
-                fd = door.open_fd(self.root, key, roots=self._roots)
+                try:
+                    fd = door.open_fd(self.root, key, roots=self._roots)
+                except FileNotFoundError:
+                    if not self.missing_is_damage:
+                        raise
+                    raise CacheFormatError(f"{self.url}: {key} is missing") from None
                 if len(self._fds) >= MAX_OPEN_FILES:
                     os.close(self._fds.popitem(last=False)[1])
             self._fds[key] = fd
@@ -106,16 +116,34 @@ class ByteRanges:
 
     def size(self, key: str) -> int:
         if self.remote:
-            return int(self.fs.size(f"{self.root}/{key}"))
+            with self._named(key):
+                return int(self.fs.size(f"{self.root}/{key}"))
         return os.fstat(self.fd(key)).st_size
 
     def read(self, key: str, start: int, end: int) -> bytes:
         if self.remote:
-            return self.fs.cat_file(f"{self.root}/{key}", start=start, end=end)
-        data = os.pread(self.fd(key), end - start, start)
-        if len(data) != end - start:
-            raise CacheFormatError(f"{key}: short read ({len(data)} of {end - start} bytes at {start})")
+            with self._named(key):
+                data = self.fs.cat_file(f"{self.root}/{key}", start=start, end=end)
+        else:
+            data = door.pread_checked(self.fd(key), start, end, self.url, key)
+        if end is not None and start >= 0 and len(data) != end - start:
+            raise CacheFormatError(f"{self.url}: {key}: short read ({len(data)} of {end - start} bytes at {start})")
         return data
+
+    @contextlib.contextmanager
+    def _named(self, key: str | None):
+        """A remote object that is not there, or a range past its end, is damage of the store (a
+        CacheFormatError naming it), not an I/O error to retry."""
+        try:
+            yield
+        except FileNotFoundError:
+            if not self.missing_is_damage:
+                raise
+            raise CacheFormatError(f"{self.url}: {key or 'an object'} is missing") from None
+        except OSError as e:
+            if e.errno != errno.EINVAL and "InvalidRange" not in str(e) and "not satisfiable" not in str(e):
+                raise
+            raise CacheFormatError(f"{self.url}: {key or 'an object'}: {e}") from None
 
     def read_ranges(self, ranges: list[tuple[str, int, int | None]], in_flight: int) -> list[bytes]:
         """Many (key, start, end) ranges, up to `in_flight` requests at a time (each retried by botocore).
@@ -124,6 +152,10 @@ class ByteRanges:
         another); local files and fsspec's block cache one after another."""
         if not self.remote or self.cached or in_flight <= 1 or len(ranges) <= 1:
             return [self.read(*r) for r in ranges]
+        with self._named(None if len({k for k, _, _ in ranges}) > 1 else ranges[0][0]):
+            return self._read_many(ranges, in_flight)
+
+    def _read_many(self, ranges: list[tuple[str, int, int | None]], in_flight: int) -> list[bytes]:
         if not self.async_reads:
             from concurrent.futures import ThreadPoolExecutor
 

@@ -19,7 +19,8 @@ from deepspec.cache.backends.base import ArrayLayout, CacheStore, split_index
 from deepspec.cache.storage.bounded import BoundedCache
 from deepspec.cache.storage.naming import store_key
 from deepspec.cache.storage.urls import is_remote
-from deepspec.cache.spec.format import CacheFormatError, array_shape, hidden_name, sample_keys, scale_name
+from deepspec.cache.spec.format import (CacheFormatError, array_shape, hidden_name, named, naming_the_store,
+                                        sample_keys, scale_name)
 from deepspec.cache.spec.manifest import Manifest, PartEntry, manifest_mismatch
 from deepspec.cache.read.ranges import ByteRanges
 from deepspec.cache.read.mirror import PartMirror
@@ -255,6 +256,7 @@ class CacheReader:
             raise CacheFormatError(f"{self.url}: parts/{self.parts[part]}/{name}: declares {np.dtype(dtype).str} "
                                    f"{list(shape)}; the manifest makes it {want_dtype.str} {list(want_shape)}")
 
+    @naming_the_store
     def read_array(self, part: int, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows [start, stop) of one array of one part (into `out` when given)."""
         state = self._process_state()
@@ -326,6 +328,7 @@ class CacheReader:
         if grow and self._state is not None and self._state[2].remote:
             self._state = None  # a new client, with a connection pool that large, on the next read
 
+    @naming_the_store
     def read_arrays(self, requests: list[tuple]) -> list[np.ndarray]:
         """read_array for each (part, name, start, stop, out) of `requests`. On a remote store the
         byte ranges of all of them are fetched with up to `read_ahead` requests in flight."""
@@ -384,9 +387,17 @@ class CacheReader:
                 results.append(local.read_rows(layout, start, stop, out))
         return results
 
+    @contextlib.contextmanager
     def checked(self):
         """A block of reads whose checksums run alongside the next reads and are all settled (a
         ChecksumError raised) when the block exits; arrays read inside are not to be used before."""
+        try:
+            with self._checks():
+                yield
+        except CacheFormatError as e:
+            raise named(e, self.url) from None
+
+    def _checks(self):
         state = self._process_state()
         if state.mirrored is None:
             return state.shards.deferred()

@@ -53,6 +53,30 @@ def row_bytes_view(out: np.ndarray) -> np.ndarray | None:
     return None
 
 
+# what a stored chunk may add to its rows' bytes: Blosc's header and its worst-case expansion
+BLOSC_OVERHEAD = 64
+
+
+def check_index(layout: ArrayLayout, idx: np.ndarray, size: int | None, where: str) -> None:
+    """Every written chunk of a shard's index (or an HDF5 chunk table) is sized as its layout allows
+    (uncompressed: exactly its rows and trailer; Blosc: at most that plus the header) and lies inside
+    the file (`size`, where known; else below 2**62): a hostile entry must not size a read (an
+    nbytes of 2**64 - 1 is no allocation, no pread and no billion range requests)."""
+    if idx.shape != (layout.n_chunks, 2):
+        raise CacheFormatError(f"{where}: an index of {idx.shape[0]} entries for {layout.n_chunks} chunks")
+    written = idx[:, 0] != EMPTY
+    off, n = idx[written, 0], idx[written, 1]
+    full = layout.chunk_rows * layout.row_bytes + layout.trailer
+    wrong = ((n > full + BLOSC_OVERHEAD) if layout.blosc else (n != full)) | (off >= 2**62)
+    if size is not None:
+        wrong |= (off + n) > size  # a sum that wraps has an n or an offset that is wrong already
+    if wrong.any():
+        c = int(np.flatnonzero(written)[np.argmax(wrong)])
+        raise CacheFormatError(f"{where}: chunk {c} declares {int(idx[c, 1])} bytes at {int(idx[c, 0])}; a chunk is "
+                               f"{full} bytes{' or fewer' if layout.blosc else ''}"
+                               f"{'' if size is None else f' in a file of {size}'}")
+
+
 class ShardReader:
     """Row ranges of single-shard arrays, read and checked without zarr-python on the hot path."""
 
@@ -83,6 +107,10 @@ class ShardReader:
             return got
         if layout.table is not None:  # recorded when the part committed (HDF5)
             idx = layout.table
+            check_index(layout, idx, None, f"{self.files.url}: {layout.name or layout.key}")
+            if layout.crcs is not None and len(layout.crcs) != layout.n_chunks:
+                raise CacheFormatError(f"{self.files.url}: {layout.name}: {len(layout.crcs)} crc32cs for "
+                                       f"{layout.n_chunks} chunks")
             row = layout.chunk_rows * layout.row_bytes + 4
             got = (idx, bool(len(idx) and (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all() and (idx[:, 1] == row).all()),
                    layout.crcs)
@@ -93,15 +121,17 @@ class ShardReader:
         if size < nbytes:
             raise CacheFormatError(f"{layout.name or layout.key}: {size} bytes cannot hold the index of its "
                                    f"{layout.n_chunks} chunks")
-        return self._keep_index(layout, self.files.read(layout.key, size - nbytes, size))
+        return self._keep_index(layout, self.files.read(layout.key, size - nbytes, size), size - nbytes)
 
-    def _keep_index(self, layout: ArrayLayout, raw: bytes) -> tuple[np.ndarray, bool, np.ndarray | None]:
+    def _keep_index(self, layout: ArrayLayout, raw: bytes, size: int | None = None) -> tuple[np.ndarray, bool,
+                                                                                           np.ndarray | None]:
         """A Zarr shard's index and, in v4, its crc32c table (the last layout.suffix_bytes bytes of
-        its file), checked and kept."""
+        its file, whose chunks lie in its first `size` bytes), checked and kept."""
         try:
             idx, crcs = split_suffix(layout, raw)
         except ValueError as e:
             raise ChecksumError(f"{layout.key}: {e}") from None
+        check_index(layout, idx, size, f"{self.files.url}: {layout.key}")
         dense = bool((idx[:, 0] != EMPTY).all() and idx[0, 0] == 0 and (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all())
         if layout.crc_table:  # v4, uncompressed: rows back to back, every chunk full size
             dense = dense and bool((idx[:, 1] == layout.chunk_rows * layout.row_bytes).all())
@@ -143,6 +173,9 @@ class ShardReader:
                 raise CacheFormatError(f"{layout.name or layout.key}: chunk {chunk}: its Blosc header declares "
                                        f"{declared} bytes in {len(body)}; a chunk is {layout.chunk_rows * layout.row_bytes}")
             body = blosc.decompress(body)
+        if len(body) != layout.chunk_rows * layout.row_bytes:  # the bytes of another array (a link within the store)
+            raise CacheFormatError(f"{layout.name or layout.key}: chunk {chunk} holds {len(body)} bytes; a chunk is "
+                                   f"{layout.chunk_rows * layout.row_bytes}")
         return np.frombuffer(body, dtype=layout.dtype)
 
     def read_rows(self, layout: ArrayLayout, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:

@@ -21,6 +21,7 @@ HDF5: every array is a chunked dataset with a Fletcher-32 per chunk (docs/cache-
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from typing import TYPE_CHECKING
 
@@ -67,10 +68,26 @@ def parsing(where: str):
     where, not surface as a library's OverflowError or KeyError."""
     try:
         yield
-    except CacheFormatError:
+    except (CacheFormatError, FileNotFoundError):  # zarr's GroupNotFoundError is both a ValueError and this
         raise
     except PARSE_ERRORS as e:
         raise CacheFormatError(f"{where}: unreadable ({e.__class__.__name__}: {str(e)[:200]})") from None
+
+
+def named(e: CacheFormatError, url: str) -> CacheFormatError:
+    """`e`, its message led by the store's URL where it does not name it (a shard reader names the key)."""
+    return e if url in str(e) else type(e)(f"{url}: {e}")
+
+
+def naming_the_store(method):
+    """Every CacheFormatError a read raises names the store it read."""
+    @functools.wraps(method)
+    def read(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except CacheFormatError as e:
+            raise named(e, self.url) from None
+    return read
 
 
 # Names a store supplies (manifest, listings, commit records) that become paths: only these shapes are

@@ -7,7 +7,7 @@ import re
 
 import zarr
 
-from deepspec.cache.spec.format import FORMAT, READ_VERSIONS, CacheFormatError
+from deepspec.cache.spec.format import FORMAT, READ_VERSIONS, CacheFormatError, parsing
 from deepspec.cache.storage.door_store import BoundedFsspecStore, DoorStore
 from deepspec.cache.storage.durable import DurableLocalStore
 from deepspec.cache.storage.urls import is_remote, local_path, storage_options_for
@@ -153,7 +153,8 @@ def open_store(url: str, mode: str = "r", storage_options: dict | None = None):
 def open_root(url: str, mode: str = "r", storage_options: dict | None = None) -> zarr.Group:
     store = open_store(url, mode, storage_options)
     try:
-        return zarr.open_group(store=store, mode="r" if mode == "r" else "a", zarr_format=3)
+        with parsing(f"{url}: zarr.json"):  # zarr-python parses the root document: its errors name it
+            return zarr.open_group(store=store, mode="r" if mode == "r" else "a", zarr_format=3)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError):
         raise CacheFormatError(f"{url}: not a cache store (no root group)") from None
 

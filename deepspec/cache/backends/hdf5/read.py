@@ -70,18 +70,27 @@ class HDF5Store(CacheStore):
     def cat(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """Bytes [start, end) of one key; the whole of a document (`start` None), refused when it is
         larger than a document may be (its size asked first on a remote store)."""
-        if self.remote:
+        try:
+            if not self.remote:
+                root = str(local_path(self.url))
+                return door.read_file(root, key) if start is None else door.read_range(root, key, start, end)
             path = self.key_path(key)
             if start is None:
                 size = int(self.fs.size(path))
                 if size > door.DOCUMENT_BYTES:
                     raise CacheFormatError(f"{self.url}: {key}: {size} bytes, more than a document may have")
             data = self.fs.cat_file(path, start=start, end=end)
-            if start is not None and len(data) != end - start:
-                raise CacheFormatError(f"{self.url}: {key}: short read ({len(data)} of {end - start} bytes at {start})")
-            return data
-        root = str(local_path(self.url))
-        return door.read_file(root, key) if start is None else door.read_range(root, key, start, end)
+        except FileNotFoundError:
+            if key == MANIFEST_NAME:  # a store not created yet (root_attrs)
+                raise
+            raise CacheFormatError(f"{self.url}: {key} is missing") from None
+        except OSError as e:  # a range past the object's end: S3's 416
+            if "InvalidRange" not in str(e) and "not satisfiable" not in str(e):
+                raise
+            raise CacheFormatError(f"{self.url}: {key}: bytes {start}..{end}: {e}") from None
+        if start is not None and len(data) != end - start:
+            raise CacheFormatError(f"{self.url}: {key}: short read ({len(data)} of {end - start} bytes at {start})")
+        return data
 
     def list_dir(self, prefix: str) -> list[str]:
         if self.remote:
@@ -104,7 +113,8 @@ class HDF5Store(CacheStore):
             return
         # h5py reads the S3 object through the fsspec file while holding its global lock: no cyclic
         # collection meanwhile (hdf5_h5py.no_cyclic_gc); the HDF5 file is closed before the file object
-        with no_cyclic_gc(), self.fs.open(self.key_path(f"parts/{name}{SUFFIX}"), "rb") as raw, \
+        # s3fs's default read-ahead block (50 MB) would hold a whole hostile object in memory: 1 MiB
+        with no_cyclic_gc(), self.fs.open(self.key_path(f"parts/{name}{SUFFIX}"), "rb", block_size=1 << 20) as raw, \
                 h5py.File(raw, "r") as f:
             yield f
 
@@ -118,7 +128,7 @@ class HDF5Store(CacheStore):
             return {}
         try:
             return json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise CacheFormatError(f"{self.url}/{MANIFEST_NAME}: not valid JSON") from None
 
     def read_range(self, key: str, start: int, end: int) -> bytes:
@@ -245,4 +255,7 @@ class HDF5Store(CacheStore):
         if array not in table:
             raise CacheFormatError(f"{self.url}: array {array} is missing from parts/{part.name}{SUFFIX}")
         with parsing(f"{self.url}: parts/{part.name}{SUFFIX}: chunk table: {array}"):
-            return np.dtype(table[array]["dtype"]), tuple(int(v) for v in table[array]["shape"])
+            shape = tuple(int(v) for v in table[array]["shape"])
+            if not shape:
+                raise ValueError("shape: empty")
+            return np.dtype(table[array]["dtype"]), shape
