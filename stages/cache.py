@@ -44,9 +44,6 @@ def plan_only(params, d) -> None:
     rank indexes its share of the input; rank 0 writes the outputs and keeps the index for train
     (data/cache/index.npz: not a DVC output, a train stage without it indexes the input itself)."""
     cfg = params.cache
-    if cfg.tensor_parallel > 1:
-        raise StageError("cache.tensor_parallel > 1 with train.capture: read-through: the train stage's capture "
-                         "ranks load the target whole; a sharded target is not supported there yet")
     try:
         report = plan_cache(replace(cfg, url=read_through_url(cfg.url)), params.layers,
                             Path("data/regen/train.jsonl"), Path("data/target"), d.device, d.rank, d.world, d.gather,

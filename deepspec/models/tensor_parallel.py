@@ -101,18 +101,25 @@ class Groups:
     control: Any
 
     @classmethod
-    def make(cls, rank: int, world: int, k: int, device: torch.device) -> "Groups":
-        """Every rank of the launch calls this, in the same order: the groups are made collectively."""
-        from torch.distributed.device_mesh import init_device_mesh
+    def make(cls, rank: int, world: int, k: int, device: torch.device, ranks: list[int] | None = None,
+             what: str = "the launch's") -> "Groups | None":
+        """The groups of k of `ranks` (global ranks, consecutive; default the whole launch: the capture
+        ranks of a read-through run are the launch's last ones), this rank's place in them, None on a
+        rank outside them. Every rank of the launch calls this, in the same order: the groups are
+        made collectively."""
+        from torch.distributed.device_mesh import DeviceMesh
 
-        if k < 1 or world % k:
-            raise ValueError(f"tensor_parallel = {k} does not divide the launch's {world} ranks (torchrun "
-                             f"--nproc-per-node must be a multiple of it)")
-        mesh = init_device_mesh(device.type, (world // k, k), mesh_dim_names=("dp", "tp"))
-        controls = [dist.new_group(list(range(g * k, (g + 1) * k)), backend="gloo", timeout=FOLLOW_TIMEOUT)
-                    for g in range(world // k)]
-        return cls(k, rank // k, world // k, rank % k == 0, rank - rank % k, mesh, mesh.get_group("dp"),
-                   controls[rank // k])
+        ranks = list(range(world)) if ranks is None else list(ranks)
+        if k < 1 or len(ranks) % k:
+            raise ValueError(f"tensor_parallel = {k} does not divide {what} {len(ranks)} ranks (make their "
+                             f"count a multiple of it)")
+        n = len(ranks) // k
+        mesh = DeviceMesh(device.type, torch.tensor(ranks).reshape(n, k), mesh_dim_names=("dp", "tp"))
+        controls = [dist.new_group(ranks[g * k:(g + 1) * k], backend="gloo", timeout=FOLLOW_TIMEOUT) for g in range(n)]
+        if rank not in ranks:
+            return None
+        at = ranks.index(rank)
+        return cls(k, at // k, n, at % k == 0, ranks[at - at % k], mesh, mesh.get_group("dp"), controls[at // k])
 
     def tell(self, message: Any) -> Any:
         """The lead's `message` on every rank of the group (the others pass None)."""

@@ -13,10 +13,24 @@ from deepspec.cache.build.fill_ranks import RanksFill, capture
 from deepspec.cache.storage.naming import built_store_url, read_through_url
 from deepspec.cache.storage.urls import is_remote
 from deepspec.distributed import Dist, split
+from deepspec.models.target import compute_settings
+from deepspec.models.tensor_parallel import Groups, load_sharded
 from deepspec.train.trainer import TrainError
 
 # how long a capture rank waits for the trainers to finish (and a trainer for the plan): a whole run
 RUN_S = 30 * 24 * 3600
+
+
+def capture_groups(params, d: Dist, target: Path):
+    """(the capture ranks' tensor-parallel groups, the sharded target's loader), made on every rank of
+    the launch (the groups are collective); the trainers get (None, ...)."""
+    k, c = params.cache.tensor_parallel, params.train.capture_ranks
+    try:
+        groups = Groups.make(d.rank, d.world, k, d.device, ranks=list(range(d.world - c, d.world)),
+                             what="train.capture_ranks'")
+    except ValueError as e:
+        raise TrainError(f"cache.tensor_parallel: {e}") from None
+    return groups, lambda: load_sharded(target, compute_settings(target, d.device), groups.mesh)
 
 
 @dataclass
@@ -48,9 +62,10 @@ def training_source(params, d: Dist, recorded: dict | None, regen: Path, target:
         full = d.share(full)  # every rank takes rank 0's view of the store
         roles = split(d, cfg.capture_ranks, RUN_S)
         me = roles.own
+        sharded = capture_groups(params, d, target) if params.cache.tensor_parallel > 1 else None
         if roles.capturing:
             if full is None:
-                capture(fill_cfg, params.layers, regen, target, roles, recorded, planned_at, index, also)
+                capture(fill_cfg, params.layers, regen, target, roles, recorded, planned_at, index, also, sharded)
             return None
         if full is None:
             fill = RanksFill(roles, target, params.cache.storage_options)
@@ -60,6 +75,9 @@ def training_source(params, d: Dist, recorded: dict | None, regen: Path, target:
     if cfg.capture != "read-through":
         return Source(built_store_url(params.cache.url), recorded, None, me)  # cache.url, or its store in a lake
     if fill is None:
+        if params.cache.tensor_parallel > 1:
+            raise TrainError(f"train.capture: read-through with cache.tensor_parallel {params.cache.tensor_parallel} "
+                             "needs train.capture_ranks (a multiple of it): the capture ranks shard the target")
         if d.world > 1:
             raise TrainError("train.capture: read-through under torchrun needs train.capture_ranks (the last ranks "
                              "capture, the others train); in one process it captures on a thread of the trainer")

@@ -186,3 +186,27 @@ def test_a_degree_that_does_not_divide_the_launch_or_a_model_without_a_plan_is_r
     refuse_unshardable(Qwen3Config(num_attention_heads=4, num_key_value_heads=2), 2)
     with pytest.raises(ValueError, match="num_key_value_heads = 2 does not split over tensor_parallel = 4"):
         refuse_unshardable(Qwen3Config(num_attention_heads=4, num_key_value_heads=2), 4)
+
+
+def test_read_through_capture_ranks_shard_the_target_and_fill_the_store_a_sharded_cache_stage_builds(
+        builds, tmp_path, embedded):
+    """train.capture: read-through with train.capture_ranks 2 and cache.tensor_parallel 2 (3 ranks: one
+    trainer, one capture group of two): the group's lead writes the parts the trainer waits for, its
+    follower runs each forward with it, and the store is bit for bit the sharded cache stage's."""
+    from tests.train.test_read_through import TRAIN
+
+    work = project(tmp_path / "rt", embedded, tensor_parallel=2)
+    params = yaml.safe_load((work / "params.yaml").read_text())
+    params["train"] = {**params["train"], **TRAIN, "capture": "read-through", "capture_ranks": 2, "steps": 6,
+                       "threads": 1}
+    (work / "params.yaml").write_text(yaml.safe_dump(params))
+    env = project_env(REPO, DEEPSPEC_LOG="WARNING", OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, str(REPO / "stages" / "cache.py")], cwd=work, env=env, check=True,
+                   capture_output=True)  # the plan only
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
+           str(REPO / "stages" / "train.py")]
+    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    filled = str(work / "data" / "cache-read-through.zarr")
+    assert array_hashes(filled) == array_hashes(store(builds["two"]))
+    assert CacheReader(filled).manifest.to_dict()["compute"]["tensor_parallel"] == 2

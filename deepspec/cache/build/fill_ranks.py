@@ -24,15 +24,16 @@ from deepspec.cache.backends.readers import open_cache
 from deepspec.cache.build.fill import FillError, Planned, check_plan, planned_samples, report_counts
 from deepspec.cache.build.stage import FillHooks, build_cache
 from deepspec.config import CacheConfig
-from deepspec.distributed import Roles
+from deepspec.distributed import Dist, Roles
+from deepspec.models.tensor_parallel import Lockstep, follow
 
 
 class CaptureHooks(FillHooks):
     """A capture rank's view of the build: the plan goes to the trainers, their order comes back, and
     the build's end waits for the trainers' (the root moves to the plan only after the last step)."""
 
-    def __init__(self, roles: Roles, recorded: dict | None, where: str):
-        self.roles, self.recorded, self.where = roles, recorded, where
+    def __init__(self, roles: Roles, recorded: dict | None, where: str, lockstep=None):
+        self.roles, self.recorded, self.where, self.lockstep = roles, recorded, where, lockstep
         self.current: str | None = None  # the part being written
         self._inputs: tuple | None = None
 
@@ -58,27 +59,55 @@ class CaptureHooks(FillHooks):
 
     def filled(self) -> None:
         self.current = None
+        if self.lockstep is not None:  # its followers meet the trainers too
+            self.lockstep.stop()
+            self.lockstep = None
         self.roles.meet()
 
 
 def capture(cfg: CacheConfig, layers: list[int], regen_path: Path, target_dir: Path, roles: Roles,
-            recorded: dict | None, where: str, index_from: Path | None = None, also: tuple[str, ...] = ()) -> dict:
+            recorded: dict | None, where: str, index_from: Path | None = None, also: tuple[str, ...] = (),
+            sharded=None) -> dict:
     """A capture rank's whole run: the store built with the other capture ranks, in the trainers'
     order; returns capture rank 0's report (also sent to every trainer). `recorded`: the manifest the
     cache stage planned (at `where`), which the plan must equal. A failure raises FillError naming the
-    part and the reason (the parts committed before it stay). `also`: build_cache's."""
-    own, hooks = roles.own, CaptureHooks(roles, recorded, where)
+    part and the reason (the parts committed before it stay). `also`: build_cache's. `sharded`: with
+    cache.tensor_parallel, (models.tensor_parallel.Groups of the capture ranks, the sharded target's
+    loader): the groups' leads build, as capture ranks do, and their followers run each forward."""
+    own, lockstep = roles.own, None
+    if sharded is not None:
+        groups, load = sharded
+        if not groups.lead:
+            return _follow_capture(roles, groups, load, own.device)
+        lockstep = Lockstep(groups, load)
+        own = Dist(groups.dp_rank, groups.dp_world, own.device, groups.dp_group, own.timeout)
+    hooks = CaptureHooks(roles, recorded, where, lockstep)
     try:
         report = build_cache(cfg, layers, regen_path, target_dir, rank=own.rank, world=own.world, device=own.device,
                              share=own.share if own.multi else None, gather=own.gather if own.multi else None,
-                             hooks=hooks, index_from=index_from, also=also)
+                             hooks=hooks, index_from=index_from, also=also, load=lockstep and lockstep.load)
     except FillError:
         raise
     except Exception as e:
         at = f" while writing part {hooks.current}" if hooks.current else ""
         raise FillError(f"capture rank {own.rank}: the read-through capture of {regen_path} failed{at}: "
                         f"{e.__class__.__name__}: {e}") from e
-    return roles.send(report if own.rank == 0 else None, roles.capture_root)
+    finally:
+        if hooks.lockstep is not None:  # a build that ended before filled(): release the followers
+            hooks.lockstep.stop()
+    return roles.send(report if roles.own.rank == 0 else None, roles.capture_root)
+
+
+def _follow_capture(roles: Roles, groups, load, device) -> dict:
+    """A follower's part in the capture: every message of the roles a capture rank takes part in
+    (the plan, the trainers' order, the end of training, the report), and its lead's forwards between."""
+    _, _, error = roles.send(None, roles.capture_root)
+    if error:
+        raise FillError(error)
+    roles.send(None, 0)
+    follow(groups, load, device)
+    roles.meet()
+    return roles.send(None, roles.capture_root)
 
 
 class RanksFill:
