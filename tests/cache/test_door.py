@@ -163,3 +163,25 @@ def test_a_store_checked_out_by_a_real_dvc_repo_is_read(tmp_path, link, kind):
         assert files and all(p.stat().st_nlink > 1 for p in files)
     expect_equal(CacheReader(url), PARTS)
     expect_equal(CacheReader(url, fast=False), PARTS)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_shard_linked_to_another_arrays_shard_in_the_store_is_refused(store, fast):
+    """Another array's shard has valid checksums and the same shape: read through the link, layer 0
+    would be layer 2. A link inside the store must lead where its key says (or into the DVC cache)."""
+    parts = os.path.join(store, "parts", "p000000")
+    a, b = (os.path.join(parts, "hidden", str(layer), "c", "0", "0") for layer in (0, 2))  # conformance's layers
+    os.remove(a)
+    os.symlink(b, a)
+    with pytest.raises(CacheFormatError, match="another file of the store"):
+        read_all(store, fast)
+
+
+def test_a_missing_shard_is_refused_through_the_library_not_read_as_fill_values(tmp_path):
+    """zarr-python reads a shard that is not there as the array's fill value (zeros): the slow path
+    checks the shard first (found by the fuzzer on an fp8 + Blosc store)."""
+    url = str(tmp_path / "fp8")
+    write(("zarr", url, None), [make_part("p000000", 1, dtype="fp8")], dtype="fp8", codec="blosc-zstd")
+    os.remove(os.path.join(url, "parts", "p000000", "last_hidden", "c", "0", "0"))
+    with pytest.raises(CacheFormatError, match="last_hidden/c/0/0: 0 bytes"):
+        read_all(url, fast=False)

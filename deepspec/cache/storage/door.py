@@ -7,7 +7,8 @@ Before a byte of a store file is read, the door checks:
 - the key is relative and does not climb (`..`);
 - its resolved path lies inside the store's resolved root, or inside the DVC cache of the repository
   the store lies in (`dvc checkout` with `cache.type: symlink` turns every file into a link there);
-  a link anywhere else is refused, however right its bytes;
+  a link anywhere else is refused, however right its bytes, and so is a link to another file of the
+  store (another array's shard has valid checksums too);
 - the file opened is that resolved path (opened without following a link in its last component,
   so a link swapped in after the check fails to open) and is a regular file, not a FIFO, a device
   or a directory (opened non-blocking, so a FIFO cannot stall the reader);
@@ -75,10 +76,15 @@ def resolve(root: str | Path, key: str, roots: tuple[str, ...] | None = None) ->
     root = os.fspath(root)
     if not key or key.startswith("/") or ".." in key.split("/") or "\x00" in key:
         raise CacheFormatError(f"{root}: key {key!r} is not a path inside the store")
+    allowed = roots or link_roots(root)
     real = os.path.realpath(os.path.join(root, key))
-    if not inside(real, roots or link_roots(root)):
+    if not inside(real, allowed):
         raise CacheFormatError(f"{root}: {key} is a link to {real}, outside the store; a store's files must "
                                "lie inside it (or in the DVC cache of its repository)")
+    here = os.path.join(allowed[0], os.path.normpath(key))
+    if real != here and inside(real, allowed[:1]):  # another file of the store: its bytes, another place
+        raise CacheFormatError(f"{root}: {key} is a link to {os.path.relpath(real, allowed[0])}, another file of "
+                               "the store; a store's files are where their keys say (or in the DVC cache)")
     return real
 
 

@@ -180,17 +180,17 @@ class ZarrStore(CacheStore):
             raise CacheFormatError(f"{self.url}: {path}: chunks of {chunk_rows} rows for its {a.shape[0]} rows")
         if layout is not None:
             most = layout.n_chunks * (chunk_rows * row_bytes + CHUNK_OVERHEAD) + layout.suffix_bytes
-            if self.key_size(layout.key) > most:
-                raise CacheFormatError(f"{self.url}: {layout.key}: {self.key_size(layout.key)} bytes, more than "
+            size = self.key_size(layout.key)
+            if not layout.suffix_bytes <= size <= most:  # zarr-python reads a missing shard as fill values
+                raise CacheFormatError(f"{self.url}: {layout.key}: {size} bytes (missing or cut short), or more than "
                                        f"its {layout.n_chunks} chunks can be stored in ({most})")
             if layout.crc_table and stop > start:
                 self._check_chunks(layout, start, stop)
-        try:
-            return np.asarray(a[start:stop])
+        try:  # zarr-python's crc32c codec reports a mismatch as ValueError, a bad codec chain as TypeError
+            with parsing(f"{self.url}: {path}: rows {start}..{stop}"):
+                return np.asarray(a[start:stop])
         except FileNotFoundError:
             raise CacheFormatError(f"{self.url}: {path}: its shard is missing") from None
-        except ValueError as e:  # zarr-python's crc32c codec reports a mismatch as ValueError
-            raise CacheFormatError(f"{self.url}: {path}: rows {start}..{stop}: {e}") from None
 
     def key_size(self, key: str) -> int:
         """The size of one store file (a HEAD on S3; through the door locally); 0 when absent."""
