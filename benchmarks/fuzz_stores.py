@@ -4,7 +4,7 @@
                                      [--no-s3] [--examples 1]
 
 Each case copies a small pristine store (Zarr or HDF5, local or on a moto_server started here; bf16
-uncompressed or fp8 + blosc-zstd), applies 1-3 mutations (tests/cache/fuzzing.py: JSON fields set to
+uncompressed or fp8 + blosc-zstd), applies 1-3 mutations (tests/cache/fuzz/mutations.py: JSON fields set to
 hostile values, truncation, bit flips, links in and out of the store, /dev/zero, FIFOs, directories,
 sparse or oversized files, duplicated names and keys, deletions, index rows and shard indexes
 rewritten with valid checksums) and reads every sample (CacheReader fast path; for some cases also
@@ -78,9 +78,9 @@ def main() -> int:
     # a stopped run still stops its moto_server (the `finally` below); `kill -USR1` prints every thread's stack
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    # the range requests of a mode cut short are cancelled (fuzzing.cancel_background): not news
+    # the range requests of a mode cut short are cancelled (fuzz.watch.cancel_background): not news
     warnings.filterwarnings("ignore", message="coroutine .* was never awaited")
-    from tests.cache import fuzzing as F
+    from tests.cache import fuzz as F
 
     backends = args.backends or [b for b in F.BACKENDS if not (args.no_s3 and b.endswith("-s3"))]
     work = F.scratch("fuzz-stores-")

@@ -1,5 +1,5 @@
 """A store from anyone is safe to open (docs/cache-format.md §13, DESIGN.md §12), proved by a property-based
-fuzzer rather than a list of cases: tests/cache/fuzzing.py copies a small real store (Zarr and HDF5,
+fuzzer rather than a list of cases: tests/cache/fuzz/ copies a small real store (Zarr and HDF5,
 locally and on S3), mutates it as a hostile or broken writer would (fields, bytes, sizes, links,
 devices, FIFOs, directories, duplicated and missing names) and reads every sample. Whatever the
 bytes, reading gives the store's original samples or raises CacheFormatError naming the store,
@@ -21,7 +21,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.cache import fuzzing as F
+from tests.cache import fuzz as F
+from tests.cache.fuzz import check
 
 # ~0.08 s a case locally (Zarr; HDF5 ~0.03 s), ~0.4 s on moto, on two loaded cores: about a minute in all;
 # at least 300 (benchmarks/fuzz_stores.py runs ten thousand)
@@ -91,12 +92,12 @@ def test_the_recorder_sees_what_a_reader_opens_and_flags_what_lies_outside(lab, 
 
 def test_a_mode_blocked_on_a_fifo_is_stopped_and_reported_as_a_hang(lab, request, monkeypatch):
     p = lab.stores_of("zarr-local", request)[0]
-    monkeypatch.setattr(F, "TIMEOUT_LOCAL_S", 0.5)
+    monkeypatch.setattr(check, "TIMEOUT_LOCAL_S", 0.5)  # where run_mode looks them up
 
     def blocked(place, pristine, mode):
         os.close(os.open(place.fifos[0], os.O_RDONLY))  # blocks: no writer
 
-    monkeypatch.setattr(F, "read_mode", blocked)
+    monkeypatch.setattr(check, "read_mode", blocked)
     with lab.harness.place(p) as place:
         F.apply(place, p, F.Mutation("fifo", "zarr.json"))
         start = time.monotonic()
