@@ -84,7 +84,7 @@ def main(params):
                 raise StageError(f"cache.tensor_parallel: {e}") from None
 
             def sharded():
-                return load_sharded(target, compute_settings(target, d.device), groups.mesh)
+                return load_sharded(target, compute_settings(target, d.device), groups)
 
             lockstep = Lockstep(groups, sharded)
             if not groups.lead:

@@ -47,7 +47,7 @@ def sharded_run(params) -> tuple[dict, list[dict]] | None:
         except ValueError as e:
             raise StageError(f"eval.tensor_parallel: {e}") from None
         groups = Groups.make(d.rank, d.world, k, d.device)
-        got = run(params, d.device, lambda: load_sharded(TARGET, compute_settings(TARGET, d.device), groups.mesh))
+        got = run(params, d.device, lambda: load_sharded(TARGET, compute_settings(TARGET, d.device), groups))
         return got if d.rank == 0 else None
 
 

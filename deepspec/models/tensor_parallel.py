@@ -46,19 +46,14 @@ def refuse_unshardable(config, k: int, where: str = "the target") -> None:
 
 
 @contextlib.contextmanager
-def _group_mesh(mesh):
-    """transformers (5.x) builds its mesh over the whole world; a (dp, tp) job hands it ours instead, as
-    its own `initialize_distributed_mesh` returns it, so each dp row shards within itself (no FSDP)."""
+def _group_mesh(dense, expert):
+    """transformers (5.x) builds its mesh over the whole world; a (dp, tp) job hands it ours instead (made
+    with the groups, not at a group's load), as its own `initialize_distributed_mesh` returns it, so each
+    dp row shards within itself (no FSDP)."""
     import transformers.distributed.mixin as mixin
-    from torch.distributed.device_mesh import DeviceMesh
     from transformers.distributed.utils import TransformersDeviceMesh
 
-    dp, tp = mesh.size(0), mesh.size(1)
-    dense = DeviceMesh(mesh.device_type, mesh.mesh.reshape(1, dp, 1, tp), mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
-    expert = DeviceMesh(mesh.device_type, mesh.mesh.reshape(1, dp, tp, 1),
-                        mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
-    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else \
-        torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if dense.device_type == "cuda" else torch.device("cpu")
     built = mixin.initialize_distributed_mesh
     mixin.initialize_distributed_mesh = lambda _config: (device, TransformersDeviceMesh(dense, expert))
     try:
@@ -67,15 +62,15 @@ def _group_mesh(mesh):
         mixin.initialize_distributed_mesh = built
 
 
-def load_sharded(model_dir, compute: dict, mesh) -> torch.nn.Module:
-    """The target of `model_dir` sharded over `mesh`'s tp dimension (every rank of the tp group calls
-    this together), in eval mode; refused when nothing was sharded (a plan that matched no weight)."""
+def load_sharded(model_dir, compute: dict, groups: "Groups") -> torch.nn.Module:
+    """The target of `model_dir` sharded over this rank's group (every rank of the group calls this
+    together), in eval mode; refused when nothing was sharded (a plan that matched no weight)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    k = mesh.size(1)
+    k = groups.k
     refuse_unshardable(AutoConfig.from_pretrained(model_dir), k, str(model_dir))
-    with _group_mesh(mesh):
+    with _group_mesh(*groups.meshes):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, compute["dtype"]),
                                                      attn_implementation=compute["attention"],
                                                      distributed_config=DistributedConfig(tp_size=k))
@@ -96,7 +91,7 @@ class Groups:
     dp_world: int
     lead: bool
     lead_rank: int
-    mesh: Any
+    meshes: tuple      # transformers' dense and expert meshes of the groups (pp, dp_replicate, ..., tp / ep)
     dp_group: Any
     control: Any
 
@@ -113,13 +108,17 @@ class Groups:
         if k < 1 or len(ranks) % k:
             raise ValueError(f"tensor_parallel = {k} does not divide {what} {len(ranks)} ranks (make their "
                              f"count a multiple of it)")
-        n = len(ranks) // k
-        mesh = DeviceMesh(device.type, torch.tensor(ranks).reshape(n, k), mesh_dim_names=("dp", "tp"))
+        n, grid = len(ranks) // k, torch.tensor(ranks)
+        mesh = DeviceMesh(device.type, grid.reshape(n, k), mesh_dim_names=("dp", "tp"))
+        meshes = (DeviceMesh(device.type, grid.reshape(1, n, 1, k), mesh_dim_names=("pp", "dp_replicate", "fsdp",
+                                                                                    "tp")),
+                  DeviceMesh(device.type, grid.reshape(1, n, k, 1), mesh_dim_names=("pp", "dp_replicate", "efsdp",
+                                                                                    "ep")))
         controls = [dist.new_group(ranks[g * k:(g + 1) * k], backend="gloo", timeout=FOLLOW_TIMEOUT) for g in range(n)]
         if rank not in ranks:
             return None
         at = ranks.index(rank)
-        return cls(k, at // k, n, at % k == 0, ranks[at - at % k], mesh, mesh.get_group("dp"), controls[at // k])
+        return cls(k, at // k, n, at % k == 0, ranks[at - at % k], meshes, mesh.get_group("dp"), controls[at // k])
 
     def tell(self, message: Any) -> Any:
         """The lead's `message` on every rank of the group (the others pass None)."""

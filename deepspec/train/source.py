@@ -30,7 +30,7 @@ def capture_groups(params, d: Dist, target: Path):
                              what="train.capture_ranks'")
     except ValueError as e:
         raise TrainError(f"cache.tensor_parallel: {e}") from None
-    return groups, lambda: load_sharded(target, compute_settings(target, d.device), groups.mesh)
+    return groups, lambda: load_sharded(target, compute_settings(target, d.device), groups)
 
 
 @dataclass

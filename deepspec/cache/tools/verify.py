@@ -1,10 +1,7 @@
 """`deepspec cache verify` and `deepspec cache info`: whole-store checks and a summary."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
-from crc32c import crc32c
 
 from deepspec.cache.spec.format import CacheFormatError, bytes_per_token, decode_hidden, hidden_name, sample_keys, scale_name
 from deepspec.cache.read.reader import CacheReader
