@@ -185,3 +185,29 @@ def test_a_missing_shard_is_refused_through_the_library_not_read_as_fill_values(
     os.remove(os.path.join(url, "parts", "p000000", "last_hidden", "c", "0", "0"))
     with pytest.raises(CacheFormatError, match="last_hidden/c/0/0: 0 bytes"):
         read_all(url, fast=False)
+
+
+def test_a_shard_index_entry_pointing_at_another_chunks_bytes_is_refused(tmp_path):
+    """A rewritten shard index (its own crc32c recomputed) whose chunk 2 starts at chunk 0's offset: chunk
+    0's bytes carry a valid checksum, so only the layout can tell (found by the long fuzz run)."""
+    import json as _json
+
+    from deepspec.cache.backends.zarr.layout import parse_layout
+
+    url = str(tmp_path / "fp8")
+    part = make_part("p000000", 1, dtype="fp8", samples=3)
+    write(("zarr", url, None), [part], dtype="fp8", codec="blosc-zstd")
+    where = "parts/p000000/hidden/0"
+    layout = parse_layout(where, _json.loads(open(os.path.join(url, where, "zarr.json")).read()))
+    if layout.n_chunks < 3:
+        pytest.skip("the part has fewer than three chunks")
+    path = os.path.join(url, layout.key)
+    raw = bytearray(open(path, "rb").read())
+    n, at = layout.n_chunks, len(raw) - (16 * layout.n_chunks + 4)
+    idx = np.frombuffer(bytes(raw[at:at + 16 * n]), "<u8").reshape(n, 2).copy()
+    idx[2, 0] = idx[0, 0]
+    raw[at:at + 16 * n] = idx.tobytes()
+    raw[at + 16 * n:at + 16 * n + 4] = crc32c(idx.tobytes()).to_bytes(4, "little")
+    open(path, "wb").write(bytes(raw))
+    with pytest.raises(CacheFormatError, match="chunk 2 declares"):
+        read_all(url)

@@ -59,9 +59,10 @@ BLOSC_OVERHEAD = 64
 
 def check_index(layout: ArrayLayout, idx: np.ndarray, size: int | None, where: str) -> None:
     """Every written chunk of a shard's index (or an HDF5 chunk table) is sized as its layout allows
-    (uncompressed: exactly its rows and trailer; Blosc: at most that plus the header) and lies inside
-    the file (`size`, where known; else below 2**62): a hostile entry must not size a read (an
-    nbytes of 2**64 - 1 is no allocation, no pread and no billion range requests)."""
+    (uncompressed: exactly its rows and trailer; Blosc: at most that plus the header), lies inside
+    the file (`size`, where known; else below 2**62) and shares no byte with another chunk: a hostile
+    entry must not size a read (an nbytes of 2**64 - 1 is no allocation, no pread and no billion
+    range requests), nor point at another chunk's bytes (whose own checksum holds)."""
     if idx.shape != (layout.n_chunks, 2):
         raise CacheFormatError(f"{where}: an index of {idx.shape[0]} entries for {layout.n_chunks} chunks")
     written = idx[:, 0] != EMPTY
@@ -70,6 +71,10 @@ def check_index(layout: ArrayLayout, idx: np.ndarray, size: int | None, where: s
     wrong = ((n > full + BLOSC_OVERHEAD) if layout.blosc else (n != full)) | (off >= 2**62)
     if size is not None:
         wrong |= (off + n) > size  # a sum that wraps has an n or an offset that is wrong already
+    order = np.argsort(off, kind="stable")  # chunks never share bytes: one pointing into another's reads its bytes
+    overlap = np.flatnonzero(off[order][1:] < off[order][:-1] + n[order][:-1])
+    if len(overlap):
+        wrong[order[overlap[0] + 1]] = True
     if wrong.any():
         c = int(np.flatnonzero(written)[np.argmax(wrong)])
         raise CacheFormatError(f"{where}: chunk {c} declares {int(idx[c, 1])} bytes at {int(idx[c, 0])}; a chunk is "
