@@ -221,7 +221,7 @@ def h5_attr_edit(place: Place, p: Pristine, m: Mutation) -> None:
         try:
             with h5py.File(path, "r+") as f:
                 f.attrs[m.get("name")] = np.asarray(value, dtype=np.int64) if isinstance(value, tuple) else value
-        except (OSError, ValueError, TypeError) as e:
+        except (OSError, ValueError, TypeError, KeyError) as e:  # KeyError: an earlier bit flip broke the file
             raise Skip(f"h5py cannot write that attribute ({e.__class__.__name__})") from None
         place.write(m.key, Path(path).read_bytes())
     if m.get("drop_manifest_table"):
