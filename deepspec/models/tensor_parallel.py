@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from deepspec.distributed import share
 from deepspec.models.capture import forward_capture
 
 # a lead may plan, derive or wait for a lease for as long as a stage runs before its next forward
@@ -46,14 +47,13 @@ def refuse_unshardable(config, k: int, where: str = "the target") -> None:
 
 
 @contextlib.contextmanager
-def _group_mesh(dense, expert):
+def _group_mesh(dense, expert, device: torch.device):
     """transformers (5.x) builds its mesh over the whole world; a (dp, tp) job hands it ours instead (made
     with the groups, not at a group's load), as its own `initialize_distributed_mesh` returns it, so each
     dp row shards within itself (no FSDP)."""
     import transformers.distributed.mixin as mixin
     from transformers.distributed.utils import TransformersDeviceMesh
 
-    device = torch.device("cuda", torch.cuda.current_device()) if dense.device_type == "cuda" else torch.device("cpu")
     built = mixin.initialize_distributed_mesh
     mixin.initialize_distributed_mesh = lambda _config: (device, TransformersDeviceMesh(dense, expert))
     try:
@@ -70,7 +70,7 @@ def load_sharded(model_dir, compute: dict, groups: "Groups") -> torch.nn.Module:
 
     k = groups.k
     refuse_unshardable(AutoConfig.from_pretrained(model_dir), k, str(model_dir))
-    with _group_mesh(*groups.meshes):
+    with _group_mesh(*groups.meshes, groups.device):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, compute["dtype"]),
                                                      attn_implementation=compute["attention"],
                                                      distributed_config=DistributedConfig(tp_size=k))
@@ -94,6 +94,7 @@ class Groups:
     meshes: tuple      # transformers' dense and expert meshes of the groups (pp, dp_replicate, ..., tp / ep)
     dp_group: Any
     control: Any
+    device: torch.device  # this rank's (devices.local_device: its CUDA device under torchrun)
 
     @classmethod
     def make(cls, rank: int, world: int, k: int, device: torch.device, ranks: list[int] | None = None,
@@ -108,7 +109,7 @@ class Groups:
         if k < 1 or len(ranks) % k:
             raise ValueError(f"tensor_parallel = {k} does not divide {what} {len(ranks)} ranks (make their "
                              f"count a multiple of it)")
-        n, grid = len(ranks) // k, torch.tensor(ranks)
+        n, grid = len(ranks) // k, torch.tensor(ranks, device="cpu")  # rank ids, not data
         mesh = DeviceMesh(device.type, grid.reshape(n, k), mesh_dim_names=("dp", "tp"))
         meshes = (DeviceMesh(device.type, grid.reshape(1, n, 1, k), mesh_dim_names=("pp", "dp_replicate", "fsdp",
                                                                                     "tp")),
@@ -118,13 +119,12 @@ class Groups:
         if rank not in ranks:
             return None
         at = ranks.index(rank)
-        return cls(k, at // k, n, at % k == 0, ranks[at - at % k], meshes, mesh.get_group("dp"), controls[at // k])
+        return cls(k, at // k, n, at % k == 0, ranks[at - at % k], meshes, mesh.get_group("dp"), controls[at // k],
+                   device)
 
     def tell(self, message: Any) -> Any:
         """The lead's `message` on every rank of the group (the others pass None)."""
-        box = [message]
-        dist.broadcast_object_list(box, src=self.lead_rank, group=self.control)
-        return box[0]
+        return share(message, self.device, self.control)  # the lead is the control group's first rank
 
 
 class Lockstep:

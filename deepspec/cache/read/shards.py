@@ -113,9 +113,9 @@ class ShardReader:
         if layout.table is not None:  # recorded when the part committed (HDF5)
             idx = layout.table
             check_index(layout, idx, None, f"{self.files.url}: {layout.name or layout.key}")
-            if layout.crcs is not None and len(layout.crcs) != layout.n_chunks:
-                raise CacheFormatError(f"{self.files.url}: {layout.name}: {len(layout.crcs)} crc32cs for "
-                                       f"{layout.n_chunks} chunks")
+            if layout.crcs is not None and layout.crcs.shape != (layout.n_chunks,):
+                raise CacheFormatError(f"{self.files.url}: {layout.name}: crc32cs of shape {list(layout.crcs.shape)} "
+                                       f"for {layout.n_chunks} chunks")
             row = layout.chunk_rows * layout.row_bytes + 4
             got = (idx, bool(len(idx) and (idx[1:, 0] == idx[:-1, 0] + idx[:-1, 1]).all() and (idx[:, 1] == row).all()),
                    layout.crcs)

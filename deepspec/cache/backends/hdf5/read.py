@@ -108,7 +108,11 @@ class HDF5Store(CacheStore):
         import h5py
 
         if not self.remote:  # h5py reads the file object the door opened, never a path of its own
-            with door.open_file(str(local_path(self.url)), f"parts/{name}{SUFFIX}") as raw, h5py.File(raw, "r") as f:
+            try:
+                raw = door.open_file(str(local_path(self.url)), f"parts/{name}{SUFFIX}")
+            except FileNotFoundError:  # a listed part's file: damage of the store
+                raise CacheFormatError(f"{self.url}: parts/{name}{SUFFIX} is missing") from None
+            with raw, h5py.File(raw, "r") as f:
                 yield f
             return
         # h5py reads the S3 object through the fsspec file while holding its global lock: no cyclic
