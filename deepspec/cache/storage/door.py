@@ -22,6 +22,7 @@ committed yet).
 from __future__ import annotations
 
 import configparser
+import errno
 import functools
 import os
 import stat
@@ -111,6 +112,21 @@ def open_fd(root: str | Path, key: str, size: int | None = None, limit: int | No
         os.close(fd)
         raise
     return fd
+
+
+def file_size(root: str | Path, key: str, roots: tuple[str, ...] | None = None) -> int:
+    """The size of store file `key`, opened through the door (a regular file inside the store)."""
+    fd = open_fd(root, key, roots=roots)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def past_its_end(e: OSError) -> bool:
+    """Whether a remote read failed because its range lies past the object's end (S3's 416): damage
+    of the store, not an I/O error to retry."""
+    return e.errno == errno.EINVAL or "InvalidRange" in str(e) or "not satisfiable" in str(e)
 
 
 def read_file(root: str | Path, key: str, size: int | None = None, limit: int | None = DOCUMENT_BYTES,

@@ -55,14 +55,7 @@ class DoorStore(LocalStore):
         return list(await asyncio.gather(*(self.get(key, prototype, r) for key, r in key_ranges)))
 
     async def getsize(self, key: str) -> int:
-        def size() -> int:
-            fd = door.open_fd(str(self.root), key)
-            try:
-                return os.fstat(fd).st_size
-            finally:
-                os.close(fd)
-
-        return await asyncio.to_thread(size)
+        return await asyncio.to_thread(door.file_size, str(self.root), key)
 
     async def exists(self, key: str) -> bool:
         try:

@@ -125,11 +125,7 @@ class ReferenceCache:
     def _size(self, name: str) -> int:
         """The size of one file of the cache, opened through the door (storage/door.py): inside the
         directory (or the DVC cache of its repository), a regular file."""
-        fd = door.open_fd(str(self.dir), name)
-        try:
-            return os.fstat(fd).st_size
-        finally:
-            os.close(fd)
+        return door.file_size(str(self.dir), name)
 
     def index(self) -> np.ndarray:
         if self.num_samples == 0:

@@ -85,7 +85,7 @@ class HDF5Store(CacheStore):
                 raise
             raise CacheFormatError(f"{self.url}: {key} is missing") from None
         except OSError as e:  # a range past the object's end: S3's 416
-            if "InvalidRange" not in str(e) and "not satisfiable" not in str(e):
+            if not door.past_its_end(e):
                 raise
             raise CacheFormatError(f"{self.url}: {key}: bytes {start}..{end}: {e}") from None
         if start is not None and len(data) != end - start:
